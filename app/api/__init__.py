@@ -1,0 +1,25 @@
+"""The Flask API: `create_app(settings)` assembles blueprints; routes stay thin."""
+
+from __future__ import annotations
+
+from flask import Flask
+
+from app.container import Services, build_services
+from app.settings import Settings
+
+
+def create_app(settings: Settings | None = None, *, services: Services | None = None) -> Flask:
+    """Build the WSGI app. Importing this package connects to nothing."""
+    from app.api import errors, health, jobs, models, openapi
+    from app.logs import configure_logging
+
+    settings = settings or (services.settings if services else Settings())
+    configure_logging(settings)
+    app = Flask("llmq")
+    app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
+    app.extensions["llmq"] = services or build_services(settings)
+
+    errors.register(app)
+    for blueprint in (health.bp, jobs.bp, models.bp, openapi.bp):
+        app.register_blueprint(blueprint)
+    return app

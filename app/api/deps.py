@@ -1,0 +1,36 @@
+"""What routes need from the request context: the services, the caller, the body."""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+from flask import current_app, g, request
+
+from app.container import Services
+from app.services.keys import Principal
+from app.services.parsing import load_json
+
+
+def services() -> Services:
+    return cast(Services, current_app.extensions["llmq"])
+
+
+def authenticate() -> None:
+    """`before_request` hook for blueprints behind auth."""
+    header = request.headers.get("Authorization", "")
+    scheme, _, key = header.partition(" ")
+    token = key.strip() if scheme.lower() == "bearer" else None
+    g.principal = services().keys.authenticate(token)
+
+
+def principal() -> Principal:
+    return cast(Principal, g.principal)
+
+
+def json_body() -> Any:
+    settings = services().settings
+    return load_json(
+        request.get_data(cache=False),
+        max_bytes=settings.max_body_bytes,
+        max_depth=settings.max_json_depth,
+    )

@@ -1,0 +1,44 @@
+"""`/v2/jobs`: submit, read, list, cancel."""
+
+from __future__ import annotations
+
+from flask import Blueprint, Response, jsonify, request
+
+from app.api.deps import authenticate, json_body, principal, services
+from app.errors import InvalidRequest
+
+bp = Blueprint("jobs", __name__)
+bp.before_request(authenticate)
+
+
+@bp.post("/v2/jobs")
+def submit_job() -> tuple[Response, int]:
+    job = services().jobs.submit(principal(), json_body())
+    return jsonify(job.model_dump(mode="json")), 202
+
+
+@bp.get("/v2/jobs/<job_id>")
+def get_job(job_id: str) -> Response:
+    return jsonify(services().jobs.get(principal(), job_id).model_dump(mode="json"))
+
+
+@bp.get("/v2/jobs")
+def list_jobs() -> Response:
+    raw_limit = request.args.get("limit", "20")
+    try:
+        limit = int(raw_limit)
+    except ValueError as exc:
+        raise InvalidRequest(f"`limit` must be an integer, got {raw_limit!r}", param="limit") from exc
+    page = services().jobs.list(
+        principal(),
+        status=request.args.get("status"),
+        batch_id=request.args.get("batch_id"),
+        after=request.args.get("after"),
+        limit=limit,
+    )
+    return jsonify(page.model_dump(mode="json"))
+
+
+@bp.post("/v2/jobs/<job_id>/cancel")
+def cancel_job(job_id: str) -> Response:
+    return jsonify(services().jobs.cancel(principal(), job_id).model_dump(mode="json"))

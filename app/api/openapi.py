@@ -1,0 +1,108 @@
+"""`GET /openapi.json`, generated from the same pydantic models the routes use."""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+from flask import Blueprint, Response, jsonify
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from app.schemas.chat import ChatCompletionV2Request
+from app.schemas.completion import BenchChatCompletion, ChatCompletion
+from app.schemas.jobs import ErrorResponse, JobList, JobObject, ModelList
+
+bp = Blueprint("openapi", __name__)
+
+_REF = "#/components/schemas/{model}"
+
+# (method, path, summary, request model, {status: response model}, path params, query params)
+Route = tuple[str, str, str, type[BaseModel] | None, dict[int, type[BaseModel] | None], list[str], list[str]]
+
+ROUTES: list[Route] = [
+    ("post", "/v2/jobs", "Queue one chat completion job", ChatCompletionV2Request, {202: JobObject}, [], []),
+    (
+        "get",
+        "/v2/jobs",
+        "List jobs, newest first",
+        None,
+        {200: JobList},
+        [],
+        ["status", "batch_id", "after", "limit"],
+    ),
+    ("get", "/v2/jobs/{job_id}", "Read one job", None, {200: JobObject}, ["job_id"], []),
+    ("post", "/v2/jobs/{job_id}/cancel", "Cancel a job", None, {200: JobObject}, ["job_id"], []),
+    ("get", "/v1/models", "Served models", None, {200: ModelList}, [], []),
+]
+
+_ERRORS = {
+    400: "Invalid request",
+    401: "Missing or invalid key",
+    404: "Not found",
+    409: "Conflict",
+    413: "Too large",
+}
+_EXTRA_MODELS: list[type[BaseModel]] = [ChatCompletion, BenchChatCompletion]
+
+
+def _schemas() -> dict[str, Any]:
+    models: set[type[BaseModel]] = {ErrorResponse, *_EXTRA_MODELS}
+    for _, _, _, req, responses, _, _ in ROUTES:
+        if req is not None:
+            models.add(req)
+        models.update(m for m in responses.values() if m is not None)
+    keyed = [(m, "validation" if m is ChatCompletionV2Request else "serialization") for m in models]
+    _, top = models_json_schema(keyed, ref_template=_REF)  # type: ignore[arg-type]
+    return dict(top.get("$defs", {}))
+
+
+def _operation(route: Route) -> dict[str, Any]:
+    method, _, summary, req, responses, path_params, query_params = route
+    op: dict[str, Any] = {
+        "summary": summary,
+        "operationId": f"{method}_{route[1].strip('/').replace('/', '_').replace('{', '').replace('}', '')}",
+        "security": [{"bearer": []}],
+        "parameters": [
+            {"name": p, "in": "path", "required": True, "schema": {"type": "string"}} for p in path_params
+        ]
+        + [{"name": q, "in": "query", "required": False, "schema": {"type": "string"}} for q in query_params],
+        "responses": {},
+    }
+    if req is not None:
+        op["requestBody"] = {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": _REF.format(model=req.__name__)}}},
+        }
+    for status, model in responses.items():
+        content = (
+            {"application/json": {"schema": {"$ref": _REF.format(model=model.__name__)}}} if model else {}
+        )
+        op["responses"][str(status)] = {"description": "OK", "content": content}
+    for status, text in _ERRORS.items():
+        op["responses"][str(status)] = {
+            "description": text,
+            "content": {"application/json": {"schema": {"$ref": _REF.format(model="ErrorResponse")}}},
+        }
+    return op
+
+
+@cache
+def spec() -> dict[str, Any]:
+    paths: dict[str, dict[str, Any]] = {}
+    for route in ROUTES:
+        paths.setdefault(route[1], {})[route[0]] = _operation(route)
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "llmq", "version": "0.1.0", "description": "Queue-based batch inference"},
+        "paths": paths,
+        "components": {
+            "schemas": _schemas(),
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+    }
+
+
+@bp.get("/openapi.json")
+def openapi_json() -> Response:
+    return jsonify(spec())

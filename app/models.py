@@ -1,0 +1,144 @@
+"""Postgres tables, typed with SQLAlchemy 2.0. Postgres is the source of truth."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    CheckConstraint,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+    func,
+    text,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map = {dict[str, Any]: JSONB, datetime: DateTime(timezone=True)}
+
+
+class JobStatus(StrEnum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
+
+    @property
+    def terminal(self) -> bool:
+        return self not in (JobStatus.QUEUED, JobStatus.RUNNING)
+
+
+TERMINAL_STATUSES = tuple(s.value for s in JobStatus if s.terminal)
+
+
+class JobKind(StrEnum):
+    CHAT = "chat"
+    BENCH = "bench"
+
+
+class Tenant(Base):
+    __tablename__ = "tenants"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    created_at: Mapped[datetime] = mapped_column(server_default=func.now())
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    # sha256 of the whole key; the key itself is never stored.
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    # First characters of the key, enough for a human to tell keys apart in `keys list`.
+    prefix: Mapped[str] = mapped_column(String(16))
+    name: Mapped[str | None] = mapped_column(String(128))
+    created_at: Mapped[datetime] = mapped_column(server_default=func.now())
+    revoked_at: Mapped[datetime | None]
+
+
+class Job(Base):
+    """One chat completion request, from acceptance to its single result."""
+
+    __tablename__ = "jobs"
+    __table_args__ = (
+        CheckConstraint(
+            "status IN ('queued','running','succeeded','failed','cancelled','expired')",
+            name="status_valid",
+        ),
+        UniqueConstraint("tenant_id", "idempotency_key", name="uq_jobs_tenant_idempotency"),
+        UniqueConstraint("batch_id", "line_no", name="uq_jobs_batch_line"),
+        Index("ix_jobs_tenant_id_id", "tenant_id", "id"),
+        Index(
+            "ix_jobs_active",
+            "status",
+            "model",
+            postgresql_where=text("status IN ('queued','running')"),
+        ),
+    )
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    kind: Mapped[str] = mapped_column(String(16), server_default=JobKind.CHAT.value)
+    status: Mapped[str] = mapped_column(String(16), server_default=JobStatus.QUEUED.value)
+    priority: Mapped[int] = mapped_column(Integer, server_default="0")
+    model: Mapped[str] = mapped_column(String(256))
+    # Documents holding user or model text are `json`, which keeps text exactly as given:
+    # `jsonb` cannot store U+0000, and a model can generate it.
+    request: Mapped[dict[str, Any]] = mapped_column(JSON)
+    response: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    error: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    usage: Mapped[dict[str, Any] | None]
+    generation_stats: Mapped[dict[str, Any] | None]
+    power_usage: Mapped[dict[str, Any] | None]
+    metadata_: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON)
+
+    # Delivery and fencing: every write after the claim says WHERE epoch = :mine.
+    attempts: Mapped[int] = mapped_column(Integer, server_default="0")
+    epoch: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    lease_owner: Mapped[str | None] = mapped_column(String(256))
+    # The worker whose write ended the job (with the epoch it held, the only one allowed).
+    finished_by: Mapped[str | None] = mapped_column(String(256))
+    lease_expires_at: Mapped[datetime | None]
+    enqueued_at: Mapped[datetime | None]
+    cancel_requested_at: Mapped[datetime | None]
+
+    # One timestamp per state the job passed through.
+    created_at: Mapped[datetime] = mapped_column(server_default=func.now())
+    started_at: Mapped[datetime | None]
+    succeeded_at: Mapped[datetime | None]
+    failed_at: Mapped[datetime | None]
+    cancelled_at: Mapped[datetime | None]
+    expired_at: Mapped[datetime | None]
+
+    idempotency_key: Mapped[str | None] = mapped_column(String(256))
+    request_hash: Mapped[str | None] = mapped_column(String(64))
+
+    # Set when the job is one line of a batch.
+    batch_id: Mapped[str | None] = mapped_column(String(40))
+    custom_id: Mapped[str | None] = mapped_column(Text)
+    line_no: Mapped[int | None] = mapped_column(Integer)

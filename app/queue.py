@@ -1,0 +1,97 @@
+"""The broker side: Celery configuration shared by producer and worker, and the producer.
+
+The API sends tasks by name (`llmq.run_job`), so it never imports worker code. A message
+only names a job id; the job itself lives in Postgres. After a message is sent, a marker
+key says so; the sweeper re-sends a queued job whose marker is gone (Redis restarted, or
+the API died between commit and send).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from celery import Celery
+from redis import Redis
+
+from app.settings import Settings
+
+RUN_JOB_TASK = "llmq.run_job"
+SENT_MARKER = "llmq:sent:{job_id}"
+
+# Redis lists per priority; 0 is consumed first.
+PRIORITY_STEPS = list(range(10))
+SINGLE_JOB_BASE = 3  # single jobs ahead of batch lines
+BATCH_LINE_BASE = 6
+
+
+def queue_name(model: str) -> str:
+    """One queue per served model, so a worker only takes jobs its engine can run."""
+    return "llmq." + re.sub(r"[^A-Za-z0-9_.-]", "_", model)
+
+
+def broker_priority(job_priority: int, *, batch_line: bool = False) -> int:
+    """Map a request `priority` (lower runs earlier, default 0) onto the broker's 0..9."""
+    base = BATCH_LINE_BASE if batch_line else SINGLE_JOB_BASE
+    return max(0, min(9, base + job_priority))
+
+
+def celery_config(settings: Settings) -> dict[str, Any]:
+    """What producer and worker must agree on."""
+    return {
+        "broker_url": settings.require_redis_url(),
+        "broker_connection_retry_on_startup": True,
+        "broker_transport_options": {
+            "visibility_timeout": settings.visibility_timeout_seconds,
+            "priority_steps": PRIORITY_STEPS,
+            "sep": ":",
+            "queue_order_strategy": "priority",
+        },
+        "task_serializer": "json",
+        "accept_content": ["json"],
+        "task_ignore_result": True,
+        "result_backend": None,
+        "task_acks_late": True,
+        "task_reject_on_worker_lost": True,
+        "task_default_priority": SINGLE_JOB_BASE,
+        "worker_cancel_long_running_tasks_on_connection_loss": True,
+    }
+
+
+def create_producer(settings: Settings) -> Celery:
+    app = Celery("llmq-producer", set_as_current=False)
+    app.conf.update(celery_config(settings))
+    return app
+
+
+class JobQueue:
+    """Sends job messages and keeps the marker that proves a message exists."""
+
+    def __init__(self, celery: Celery, redis: Redis[bytes], *, marker_ttl_seconds: int) -> None:
+        self._celery = celery
+        self._redis = redis
+        self._marker_ttl = marker_ttl_seconds
+
+    def enqueue(self, job_id: str, model: str, priority: int, *, batch_line: bool = False) -> None:
+        """Send one message naming `job_id`. Raises redis/kombu errors when Redis is down."""
+        self._celery.send_task(
+            RUN_JOB_TASK,
+            args=[job_id],
+            queue=queue_name(model),
+            priority=broker_priority(priority, batch_line=batch_line),
+        )
+        self._redis.set(SENT_MARKER.format(job_id=job_id), 1, ex=self._marker_ttl)
+
+    def forget(self, job_id: str) -> None:
+        """Drop the marker once the job is claimed or finished."""
+        self._redis.delete(SENT_MARKER.format(job_id=job_id))
+
+    def missing_markers(self, job_ids: Sequence[str]) -> list[str]:
+        """The ids among `job_ids` with no live message marker."""
+        if not job_ids:
+            return []
+        pipe = self._redis.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.exists(SENT_MARKER.format(job_id=job_id))
+        return [j for j, exists in zip(job_ids, pipe.execute(), strict=True) if not exists]

@@ -1,0 +1,69 @@
+"""The job object and its list page."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from app.models import JobStatus
+from app.schemas.base import WireModel
+
+
+class ErrorBody(WireModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(WireModel):
+    """The one error shape, everywhere."""
+
+    error: ErrorBody
+
+
+class JobObject(WireModel):
+    id: str
+    object: Literal["job"] = "job"
+    status: JobStatus
+    model: str
+    priority: int
+    attempts: int
+    epoch: int
+    lease_owner: str | None = None
+    finished_by: str | None = None
+    created_at: int
+    started_at: int | None = None
+    succeeded_at: int | None = None
+    failed_at: int | None = None
+    cancelled_at: int | None = None
+    expired_at: int | None = None
+    cancel_requested_at: int | None = None
+    batch_id: str | None = None
+    custom_id: str | None = None
+    response: dict[str, Any] | None = None
+    error: ErrorBody | None = None
+    usage: dict[str, Any] | None = None
+    generation_stats: dict[str, Any] | None = None
+    power_usage: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+
+
+class JobList(WireModel):
+    object: Literal["list"] = "list"
+    data: list[JobObject]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool
+
+
+class ModelCard(WireModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "llmq"
+    max_model_len: int | None = None
+
+
+class ModelList(WireModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

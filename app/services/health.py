@@ -1,0 +1,76 @@
+"""Liveness and readiness, and the worker registry readiness reads.
+
+A worker proves it is consuming by refreshing `llmq:worker:<name>` from a task that went
+through the broker (see worker/heartbeat.py); a process that is merely alive does not.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from redis import Redis
+from sqlalchemy import text
+
+from app.db import Database
+
+WORKER_KEY = "llmq:worker:{name}"
+WORKER_PATTERN = "llmq:worker:*"
+
+
+@dataclass
+class Readiness:
+    ready: bool
+    checks: dict[str, Any] = field(default_factory=dict)
+
+
+def register_worker(redis: Redis[bytes], name: str, info: dict[str, Any], ttl_seconds: int) -> None:
+    redis.set(WORKER_KEY.format(name=name), json.dumps(info), ex=ttl_seconds)
+
+
+def unregister_worker(redis: Redis[bytes], name: str) -> None:
+    redis.delete(WORKER_KEY.format(name=name))
+
+
+def live_workers(redis: Redis[bytes]) -> list[dict[str, Any]]:
+    keys = list(redis.scan_iter(match=WORKER_PATTERN, count=100))
+    if not keys:
+        return []
+    values = redis.mget(keys)
+    return [json.loads(v) for v in values if v]
+
+
+class HealthService:
+    def __init__(self, db: Database, redis: Redis[bytes], served_models: frozenset[str]) -> None:
+        self._db = db
+        self._redis = redis
+        self._served = served_models
+
+    def readiness(self) -> Readiness:
+        checks: dict[str, Any] = {}
+        start = time.perf_counter()
+        try:
+            with self._db.session() as s:
+                s.execute(text("SELECT 1"))
+            checks["database"] = {"ok": True, "ms": round((time.perf_counter() - start) * 1e3, 1)}
+        except Exception as exc:  # noqa: BLE001 - readiness reports, never raises
+            checks["database"] = {"ok": False, "error": type(exc).__name__}
+        start = time.perf_counter()
+        workers: list[dict[str, Any]] = []
+        try:
+            self._redis.ping()
+            checks["redis"] = {"ok": True, "ms": round((time.perf_counter() - start) * 1e3, 1)}
+            workers = live_workers(self._redis)
+        except Exception as exc:  # noqa: BLE001
+            checks["redis"] = {"ok": False, "error": type(exc).__name__}
+        consuming = [w for w in workers if w.get("model") in self._served and w.get("consuming")]
+        checks["workers"] = {
+            "ok": bool(consuming),
+            "consuming": len(consuming),
+            "workers": [
+                {k: w.get(k) for k in ("name", "model", "inflight", "capacity", "engine")} for w in workers
+            ],
+        }
+        return Readiness(all(c["ok"] for c in checks.values()), checks)

@@ -1,0 +1,200 @@
+"""Single jobs: submit, read, list, cancel. Owns its transactions; enqueues after commit."""
+
+from __future__ import annotations
+
+import logging
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import select, update
+
+from app.db import Database
+from app.errors import Conflict, InvalidRequest, NotFound
+from app.events import JobEvents
+from app.ids import new_id
+from app.models import Job, JobKind, JobStatus
+from app.queue import JobQueue
+from app.schemas.chat import ChatCompletionV2Request
+from app.schemas.jobs import JobList, JobObject
+from app.services.contract import RequestPolicy
+from app.services.keys import Principal
+from app.services.parsing import parse_model
+
+log = logging.getLogger("llmq.jobs")
+
+MAX_PAGE = 100
+
+
+def _ts(value: datetime | None) -> int | None:
+    return int(value.timestamp()) if value is not None else None
+
+
+def to_job_object(job: Job) -> JobObject:
+    return JobObject(
+        id=job.id,
+        status=JobStatus(job.status),
+        model=job.model,
+        priority=job.priority,
+        attempts=job.attempts,
+        epoch=job.epoch,
+        lease_owner=job.lease_owner,
+        finished_by=job.finished_by,
+        created_at=_ts(job.created_at) or 0,
+        started_at=_ts(job.started_at),
+        succeeded_at=_ts(job.succeeded_at),
+        failed_at=_ts(job.failed_at),
+        cancelled_at=_ts(job.cancelled_at),
+        expired_at=_ts(job.expired_at),
+        cancel_requested_at=_ts(job.cancel_requested_at),
+        batch_id=job.batch_id,
+        custom_id=job.custom_id,
+        response=job.response,
+        error=(job.error or {}).get("error") if job.error else None,
+        usage=job.usage,
+        generation_stats=job.generation_stats,
+        power_usage=job.power_usage,
+        metadata=job.metadata_,
+    )
+
+
+class JobService:
+    def __init__(
+        self,
+        db: Database,
+        queue: JobQueue,
+        events: JobEvents,
+        policy: RequestPolicy,
+        *,
+        cancel_wait_seconds: float,
+    ) -> None:
+        self._db = db
+        self._queue = queue
+        self._events = events
+        self._policy = policy
+        self._cancel_wait = cancel_wait_seconds
+
+    def validate(self, payload: Any) -> ChatCompletionV2Request:
+        """Raises:
+        InvalidRequest / Unsupported / NotFound: the request cannot run here.
+        """
+        request = parse_model(ChatCompletionV2Request, payload)
+        self._policy.check(request)
+        return request
+
+    def submit(self, principal: Principal, payload: Any, *, kind: JobKind = JobKind.CHAT) -> JobObject:
+        """Validate, store, then enqueue one job. The job is durable before any message
+        names it; if Redis is down the sweeper sends the message once it is back."""
+        request = self.validate(payload)
+        now = datetime.now(UTC)
+        job = Job(
+            id=new_id("job"),
+            tenant_id=principal.tenant_id,
+            kind=kind.value,
+            status=JobStatus.QUEUED.value,
+            priority=request.effective_priority(),
+            model=request.model,
+            request=request.model_dump(mode="json", exclude_unset=True, by_alias=True),
+            metadata_=request.metadata.model_dump() if request.metadata else None,
+            attempts=0,
+            epoch=0,
+            created_at=now,
+            # The message is sent right after commit; if that send is lost, the sweeper
+            # finds no marker once the grace period has passed and sends it again.
+            enqueued_at=now,
+        )
+        with self._db.session() as s:
+            s.add(job)
+        try:
+            self._queue.enqueue(job.id, job.model, job.priority)
+        except Exception as exc:  # noqa: BLE001 - any broker failure leaves the job to the sweeper
+            log.warning(
+                "enqueue failed, the sweeper will resend", extra={"job_id": job.id, "error": str(exc)}
+            )
+        log.info("job accepted", extra={"job_id": job.id, "tenant": principal.tenant_id})
+        return to_job_object(job)
+
+    def get(self, principal: Principal, job_id: str) -> JobObject:
+        """Raises:
+        NotFound: no such job for this tenant (another tenant's job included).
+        """
+        with self._db.session() as s:
+            return to_job_object(self._load(s, principal, job_id))
+
+    def list(
+        self,
+        principal: Principal,
+        *,
+        status: str | None = None,
+        batch_id: str | None = None,
+        after: str | None = None,
+        limit: int = 20,
+    ) -> JobList:
+        """Newest first; `after` is the last id of the previous page."""
+        if not 1 <= limit <= MAX_PAGE:
+            raise InvalidRequest(f"`limit` must be between 1 and {MAX_PAGE}", param="limit")
+        if status is not None and status not in {s.value for s in JobStatus}:
+            raise InvalidRequest(f"unknown status {status!r}", param="status")
+        q = select(Job).where(Job.tenant_id == principal.tenant_id)
+        if status:
+            q = q.where(Job.status == status)
+        if batch_id:
+            q = q.where(Job.batch_id == batch_id)
+        if after:
+            q = q.where(Job.id < after)
+        q = q.order_by(Job.id.desc()).limit(limit + 1)
+        with self._db.session() as s:
+            rows = list(s.scalars(q))
+        page = [to_job_object(j) for j in rows[:limit]]
+        return JobList(
+            data=page,
+            first_id=page[0].id if page else None,
+            last_id=page[-1].id if page else None,
+            has_more=len(rows) > limit,
+        )
+
+    def cancel(self, principal: Principal, job_id: str) -> JobObject:
+        """Cancel a queued job at once; ask the worker to abort a running one and wait a
+        little for it to record the partial text.
+
+        Raises:
+            NotFound: no such job for this tenant.
+            Conflict: the job already succeeded, failed or expired.
+        """
+        now = datetime.now(UTC)
+        with self._db.session() as s:
+            job = self._load(s, principal, job_id)
+            status = JobStatus(job.status)
+            if status == JobStatus.CANCELLED:
+                return to_job_object(job)
+            if status.terminal:
+                raise Conflict(
+                    f"job {job_id} already {status.value}; only queued or running jobs can be cancelled",
+                    param="job_id",
+                    code="job_not_cancellable",
+                )
+            s.execute(
+                update(Job)
+                .where(Job.id == job_id, Job.status == JobStatus.QUEUED.value)
+                .values(status=JobStatus.CANCELLED.value, cancelled_at=now, cancel_requested_at=now)
+            )
+            s.execute(
+                update(Job)
+                .where(Job.id == job_id, Job.status == JobStatus.RUNNING.value)
+                .values(cancel_requested_at=now)
+            )
+        self._events.request_cancel(job_id)
+        self._events.wait_for_end(job_id, lambda: self._is_terminal(job_id), self._cancel_wait)
+        log.info("job cancel requested", extra={"job_id": job_id, "tenant": principal.tenant_id})
+        return self.get(principal, job_id)
+
+    def _is_terminal(self, job_id: str) -> bool:
+        with self._db.session() as s:
+            status = s.scalar(select(Job.status).where(Job.id == job_id))
+        return status is None or JobStatus(status).terminal
+
+    @staticmethod
+    def _load(s: Any, principal: Principal, job_id: str) -> Job:
+        job: Job | None = s.scalar(select(Job).where(Job.id == job_id, Job.tenant_id == principal.tenant_id))
+        if job is None:
+            raise NotFound(f"No job found with id '{job_id}'", param="job_id")
+        return job

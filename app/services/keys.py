@@ -1,0 +1,121 @@
+"""Tenants and API keys. Keys are random, shown once, stored as sha256."""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from sqlalchemy import select, update
+from sqlalchemy.dialects.postgresql import insert
+
+from app.db import Database
+from app.errors import NotFound, Unauthorized
+from app.ids import new_id
+from app.models import ApiKey, Tenant
+
+KEY_PREFIX = "llmq-"
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+def generate_key() -> str:
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is calling: the tenant every object they touch must belong to."""
+
+    tenant_id: str
+    key_id: str
+
+
+@dataclass(frozen=True)
+class KeyInfo:
+    id: str
+    tenant: str
+    prefix: str
+    name: str | None
+    created_at: datetime
+    revoked_at: datetime | None
+
+
+class KeyService:
+    def __init__(self, db: Database) -> None:
+        self._db = db
+
+    def ensure_tenant(self, name: str) -> str:
+        """Create the tenant if missing; returns its id (the name is the id)."""
+        with self._db.session() as s:
+            s.execute(insert(Tenant).values(id=name, name=name).on_conflict_do_nothing())
+        return name
+
+    def create_key(self, tenant: str, *, name: str | None = None, key: str | None = None) -> str:
+        """Register `key` (or a new random one) for `tenant`; returns the key itself.
+
+        Registering a key that already exists for the same tenant is a no-op, so a
+        bootstrap key can be passed on every start.
+        """
+        tenant_id = self.ensure_tenant(tenant)
+        key = key or generate_key()
+        with self._db.session() as s:
+            existing = s.scalar(select(ApiKey).where(ApiKey.key_hash == hash_key(key)))
+            if existing is not None:
+                if existing.tenant_id != tenant_id:
+                    raise ValueError("that key is already registered for another tenant")
+                if existing.revoked_at is not None:
+                    raise ValueError("that key was revoked; choose another")
+                return key
+            s.add(
+                ApiKey(
+                    id=new_id("key"),
+                    tenant_id=tenant_id,
+                    key_hash=hash_key(key),
+                    prefix=key[:12],
+                    name=name,
+                )
+            )
+        return key
+
+    def authenticate(self, key: str | None) -> Principal:
+        """Raises:
+        Unauthorized: no key, unknown key or revoked key (the same message for each).
+        """
+        if not key:
+            raise Unauthorized("missing API key: send 'Authorization: Bearer <key>'")
+        with self._db.session() as s:
+            row = s.execute(
+                select(ApiKey.id, ApiKey.tenant_id).where(
+                    ApiKey.key_hash == hash_key(key), ApiKey.revoked_at.is_(None)
+                )
+            ).first()
+        if row is None:
+            raise Unauthorized("invalid API key")
+        return Principal(tenant_id=row.tenant_id, key_id=row.id)
+
+    def list_keys(self, tenant: str | None = None) -> list[KeyInfo]:
+        with self._db.session() as s:
+            q = select(ApiKey).order_by(ApiKey.created_at)
+            if tenant:
+                q = q.where(ApiKey.tenant_id == tenant)
+            return [
+                KeyInfo(k.id, k.tenant_id, k.prefix, k.name, k.created_at, k.revoked_at) for k in s.scalars(q)
+            ]
+
+    def revoke(self, key_id: str) -> None:
+        """Raises:
+        NotFound: no key with that id.
+        """
+        with self._db.session() as s:
+            done = s.execute(
+                update(ApiKey)
+                .where(ApiKey.id == key_id, ApiKey.revoked_at.is_(None))
+                .values(revoked_at=datetime.now(UTC))
+                .returning(ApiKey.id)
+            ).first()
+        if done is None:
+            raise NotFound(f"no active key {key_id!r}", param="key_id")

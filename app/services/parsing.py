@@ -1,0 +1,125 @@
+"""Turning raw request bytes into typed models, with errors that name the field.
+
+Size and nesting are checked on the bytes before any JSON parser sees them, so a 10,000-deep
+document or a huge body is refused in linear time with flat memory.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from app.errors import InvalidRequest, PayloadTooLarge
+
+M = TypeVar("M", bound=BaseModel)
+
+# Tagged unions put the tag into the error location right after these paths.
+_TAGGED_AFTER_INDEX = {"messages", "content"}
+_TAGGED_FIELDS = {"response_format"}
+_PRIMITIVES = {"str", "int", "float", "bool", "dict", "list", "none", "is-instance"}
+
+
+def check_size(raw: bytes, limit: int) -> None:
+    if len(raw) > limit:
+        raise PayloadTooLarge(f"request body is {len(raw)} bytes; the limit is {limit} bytes")
+
+
+def check_depth(raw: bytes, limit: int) -> None:
+    """Refuse JSON nested deeper than `limit` without recursing."""
+    depth = 0
+    in_string = False
+    escaped = False
+    for byte in raw:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:  # quote
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte in (0x7B, 0x5B):  # { [
+            depth += 1
+            if depth > limit:
+                raise InvalidRequest(f"JSON is nested more than {limit} levels deep", code="too_deep")
+        elif byte in (0x7D, 0x5D):
+            depth -= 1
+
+
+def load_json(raw: bytes, *, max_bytes: int, max_depth: int) -> Any:
+    check_size(raw, max_bytes)
+    check_depth(raw, max_depth)
+    try:
+        return json.loads(raw)
+    except UnicodeDecodeError as exc:
+        raise InvalidRequest(f"request body is not valid UTF-8: {exc.reason}") from exc
+    except json.JSONDecodeError as exc:
+        raise InvalidRequest(
+            f"request body is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})",
+            code="invalid_json",
+        ) from exc
+
+
+def error_param(loc: tuple[int | str, ...]) -> str | None:
+    """`('messages', 0, 'user', 'content')` → `'messages[0].content'`.
+
+    Pydantic inserts union member names (`str`, `list[...]`) and discriminator tags
+    (`user`) into locations; they are not fields, so they are dropped.
+    """
+    parts: list[str] = []
+    last: int | str | None = None
+    expect_tag = False
+    for item in loc:
+        if isinstance(item, int):
+            parts.append(f"[{item}]")
+            expect_tag = last in _TAGGED_AFTER_INDEX
+            last = item
+            continue
+        if "[" in item or item in _PRIMITIVES:
+            continue
+        if expect_tag:
+            expect_tag = False
+            continue
+        parts.append(("." if parts else "") + item)
+        expect_tag = item in _TAGGED_FIELDS
+        last = item
+    return "".join(parts) or None
+
+
+def describe(error: dict[str, Any]) -> str:
+    kind = error.get("type")
+    param = error_param(tuple(error.get("loc", ())))
+    if kind == "extra_forbidden":
+        return f"Unrecognized request argument supplied: {param}"
+    if kind == "missing":
+        return f"Missing required parameter: {param}"
+    msg = str(error.get("msg", "invalid value"))
+    return f"Invalid value for {param}: {msg}" if param else msg
+
+
+def parse_model(model: type[M], data: Any) -> M:
+    """Validate `data` as `model`; the first problem becomes a 400 naming its field."""
+    if not isinstance(data, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False, include_input=False)
+        first = _most_specific(errors)
+        raise InvalidRequest(
+            describe(first),
+            param=error_param(tuple(first.get("loc", ()))),
+            code=str(first.get("type")),
+        ) from exc
+
+
+def _most_specific(errors: list[Any]) -> dict[str, Any]:
+    """Of a union's alternatives, report the one that got deepest into the input."""
+    found: list[dict[str, Any]] = [dict(e) for e in errors]
+    unknown = [e for e in found if e.get("type") == "extra_forbidden"]
+    if unknown:
+        return unknown[0]
+    return max(found, key=lambda e: len(e.get("loc", ())))

@@ -1,0 +1,57 @@
+"""B1 baseline: the same requests through vLLM's AsyncLLM directly, in one process.
+
+Run as a script (vLLM on CPU spawns processes: the engine must be built under __main__).
+Prints one JSON line: {"tokens": ..., "seconds": ...}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+
+from app.schemas.chat import ChatCompletionV2Request
+from app.services.prompts import ChatRenderer
+from app.settings import Settings
+
+
+async def main(model: str, bodies: list[dict]) -> dict[str, float]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    from worker.vllm_engine import VllmEngine
+
+    settings = Settings(model=model)
+    engine = VllmEngine(settings)
+    await engine.start()
+    llm = engine._llm  # the raw AsyncLLM: this is the baseline
+    renderer = ChatRenderer.load(model)
+    prompts = [renderer.render(ChatCompletionV2Request.model_validate(b)) for b in bodies]
+
+    async def one(i: int) -> int:
+        body = bodies[i]
+        params = SamplingParams(
+            max_tokens=body["max_tokens"], ignore_eos=True, temperature=0, output_kind=RequestOutputKind.DELTA
+        )
+        count = 0
+        async for out in llm.generate(TokensPrompt(prompt_token_ids=prompts[i]), params, f"b1-{i}"):
+            count += sum(len(o.token_ids) for o in out.outputs)
+        return count
+
+    start = time.perf_counter()
+    counts = await asyncio.gather(*(one(i) for i in range(len(bodies))))
+    seconds = time.perf_counter() - start
+    await engine.close()
+    return {"tokens": float(sum(counts)), "seconds": seconds}
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--bodies", required=True, help="JSON file with the request bodies")
+    a = p.parse_args()
+    with open(a.bodies) as f:
+        result = asyncio.run(main(a.model, json.load(f)))
+    print(json.dumps(result), flush=True)

@@ -1,0 +1,61 @@
+"""B1 engine efficiency: output tokens/s of N chat requests through the whole service
+(API → Redis → worker → vLLM → Postgres) against the same requests through AsyncLLM directly.
+Goal: ratio ≥ 0.95."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+from bench.common import ROOT, save, service, submit_all, wait_done
+
+
+def bodies(n: int, max_tokens: int, served: str) -> list[dict[str, Any]]:
+    return [
+        {
+            "model": served,
+            "messages": [{"role": "user", "content": f"Request {i}: tell me about queues."}],
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "temperature": 0,
+        }
+        for i in range(n)
+    ]
+
+
+def run(model: str, n: int = 64, max_tokens: int = 256) -> dict[str, Any]:
+    served = "bench-b1"
+    reqs = bodies(n, max_tokens, served)
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(reqs, f)
+    direct_out = (
+        subprocess.run(
+            [sys.executable, "-m", "bench.b1_direct", "--model", model, "--bodies", f.name],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        .stdout.strip()
+        .splitlines()[-1]
+    )
+    direct = json.loads(direct_out)
+    with service(model, served) as stack:
+        ids = submit_all(stack, reqs)
+        svc = wait_done(stack, ids)
+    direct_tps = direct["tokens"] / direct["seconds"]
+    service_tps = svc["tokens"] / svc["wall"]
+    result = {
+        "id": "B1",
+        "requests": n,
+        "max_tokens": max_tokens,
+        "direct_tokens_per_s": round(direct_tps, 1),
+        "service_tokens_per_s": round(service_tps, 1),
+        "ratio": round(service_tps / direct_tps, 3),
+        "goal": ">= 0.95",
+    }
+    save("b1", result)
+    return result

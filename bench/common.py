@@ -1,0 +1,96 @@
+"""Shared pieces of the benchmarks: a service stack, job submission, timing from Postgres."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+from sqlalchemy import text
+
+from app.cli.embedded import free_port
+from app.cli.stack import Stack
+from app.db import Database
+from app.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+
+
+@contextmanager
+def service(model: str, served_name: str, **env: str) -> Iterator[Stack]:
+    """API + one worker on `model`, against LLMQ_DATABASE_URL/LLMQ_REDIS_URL when set, else
+    embedded stores in a temporary data dir."""
+    settings = Settings()
+    data_dir = Path(tempfile.mkdtemp(prefix="llmq-bench-"))
+    data_dir.chmod(0o755)
+    child_env = {
+        "LLMQ_MODEL": model,
+        "LLMQ_SERVED_MODEL_NAME": served_name,
+        "LLMQ_LOG_LEVEL": "WARNING",
+        **env,
+    }
+    stack = Stack(
+        settings.model_copy(update={"model": model}),
+        host="127.0.0.1",
+        port=free_port(18900),
+        data_dir=data_dir,
+        child_env=child_env,
+    )
+    try:
+        stack.start()
+        if not stack.wait_ready(600):
+            raise RuntimeError("service did not become ready")
+        yield stack
+    finally:
+        stack.stop()
+
+
+def submit_all(stack: Stack, bodies: list[dict[str, Any]], threads: int = 8) -> list[str]:
+    with httpx.Client(base_url=stack.base_url, headers={"Authorization": f"Bearer {stack.api_key}"}) as c:
+
+        def one(body: dict[str, Any]) -> str:
+            r = c.post("/v2/jobs", json=body)
+            r.raise_for_status()
+            return str(r.json()["id"])
+
+        with ThreadPoolExecutor(threads) as pool:
+            return list(pool.map(one, bodies))
+
+
+def wait_done(stack: Stack, ids: list[str], timeout: float = 1800) -> dict[str, float]:
+    """Wait for every job to end; timings come from Postgres, so polling costs nothing."""
+    db = Database.from_url(stack.env["LLMQ_DATABASE_URL"], pool_size=1)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            with db.session() as s:
+                row = s.execute(
+                    text(
+                        "SELECT count(*) FILTER "
+                        "(WHERE status IN ('succeeded','failed','cancelled')) AS done, "
+                        "count(*) FILTER (WHERE status = 'succeeded') AS ok, "
+                        "extract(epoch FROM max(succeeded_at) - min(created_at)) AS wall, "
+                        "sum((usage->>'completion_tokens')::int) AS tokens "
+                        "FROM jobs WHERE id = ANY(:ids)"
+                    ),
+                    {"ids": ids},
+                ).one()
+            if row.done == len(ids):
+                return {"ok": float(row.ok), "wall": float(row.wall), "tokens": float(row.tokens or 0)}
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{row.done}/{len(ids)} jobs done")
+            time.sleep(0.25)
+    finally:
+        db.dispose()
+
+
+def save(name: str, result: dict[str, Any]) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2))

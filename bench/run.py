@@ -1,0 +1,45 @@
+"""Run the benchmarks and print a table: `python -m bench.run [--only B1,B2] [--model DIR]`.
+
+Results are also written as JSON under bench/results/. Stores: LLMQ_DATABASE_URL and
+LLMQ_REDIS_URL when set, else embedded ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from bench.common import RESULTS, ROOT
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", default="B1,B2", help="comma-separated benchmark ids")
+    p.add_argument("--model", default=str(ROOT / ".test-models" / "tiny"), help="model folder for B1")
+    p.add_argument("--b1-requests", type=int, default=64)
+    p.add_argument("--b1-max-tokens", type=int, default=256)
+    p.add_argument("--b2-lines", type=int, default=10_000)
+    a = p.parse_args()
+    wanted = {x.strip().upper() for x in a.only.split(",")}
+    results: list[dict[str, Any]] = []
+    if "B1" in wanted:
+        from bench import b1_engine
+
+        results.append(b1_engine.run(a.model, a.b1_requests, a.b1_max_tokens))
+    if "B2" in wanted:
+        from bench import b2_overhead
+
+        results.append(b2_overhead.run(a.b2_lines))
+    print()
+    print(f"{'id':<4} {'figure':<44} {'goal':<34}")
+    for r in results:
+        figure = ", ".join(f"{k}={v}" for k, v in r.items() if k not in ("id", "goal"))
+        print(f"{r['id']:<4} {figure:<44} {r['goal']:<34}")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    Path(RESULTS / "summary.json").write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

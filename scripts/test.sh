@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The whole test suite: install, lint, type-check, migrations, unit, API and integration
+# tests (real Postgres, Redis, Celery worker and vLLM on the CPU). Extra arguments go to pytest.
+# Uses Postgres on 127.0.0.1:5432 and Redis on :6379 when they answer, else starts the
+# embedded ones from the wheels.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+bash scripts/install.sh
+echo "== lint and types"
+.venv/bin/ruff check app worker tests bench
+.venv/bin/ruff format --check app worker tests bench
+.venv/bin/mypy
+echo "== tiny test model"
+[ -f .test-models/tiny/config.json ] || .venv/bin/llmq model build-tiny .test-models/tiny
+echo "== tests"
+.venv/bin/python -m pytest "$@"

@@ -1,0 +1,139 @@
+"""Shared fixtures: real Postgres and Redis for every test that needs a store.
+
+The machine's own servers (127.0.0.1:5432, :6379) are used when they answer, else the
+embedded ones from the wheels are started. Each session gets a fresh database (migrated
+with Alembic) and its own Redis database number, flushed at start.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+import redis
+from flask import Flask
+from flask.testing import FlaskClient
+
+from app.api import create_app
+from app.container import Services, build_services
+from app.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[1]
+PG_URL = os.environ.get("LLMQ_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+REDIS_URL = os.environ.get("LLMQ_TEST_REDIS_URL", "redis://127.0.0.1:6379")
+REDIS_DB = int(os.environ.get("LLMQ_TEST_REDIS_DB", "13"))
+
+
+@dataclass
+class Stores:
+    database_url: str
+    redis_url: str
+
+
+def _pg_reachable(url: str) -> bool:
+    try:
+        with psycopg.connect(url, connect_timeout=2):
+            return True
+    except psycopg.Error:
+        return False
+
+
+def _redis_reachable(url: str) -> bool:
+    try:
+        return bool(redis.Redis.from_url(url, socket_connect_timeout=2).ping())
+    except redis.RedisError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def stores() -> Iterator[Stores]:
+    from app.cli.embedded import free_port, pg_start, redis_start
+    from app.cli.stack import run_migrations
+
+    started = []
+    tmp = Path(tempfile.mkdtemp(prefix="llmq-test-stores-"))
+    tmp.chmod(0o755)
+    if _pg_reachable(PG_URL):
+        admin_url = PG_URL
+    else:
+        pg = pg_start(tmp / "pg", free_port(55440), "postgres")
+        started.append(pg)
+        admin_url = pg.url
+    if _redis_reachable(REDIS_URL):
+        redis_base = REDIS_URL
+    else:
+        rd = redis_start(tmp / "redis", free_port(56390))
+        started.append(rd)
+        redis_base = rd.url.rsplit("/", 1)[0]
+
+    dbname = f"llmq_test_{secrets.token_hex(4)}"
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{dbname}"')
+    database_url = admin_url.rsplit("/", 1)[0] + f"/{dbname}"
+    run_migrations(database_url)
+    redis_url = f"{redis_base}/{REDIS_DB}"
+    redis.Redis.from_url(redis_url).flushdb()
+    try:
+        yield Stores(database_url, redis_url)
+    finally:
+        with psycopg.connect(admin_url, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{dbname}" WITH (FORCE)')
+        for server in started:
+            server.stop()
+
+
+def make_settings(stores: Stores, **overrides: Any) -> Settings:
+    base: dict[str, Any] = {
+        "database_url": stores.database_url,
+        "redis_url": stores.redis_url,
+        # No worker serves this name, so API tests' jobs stay queued.
+        "model": "api-only",
+        "served_model_name": "api-only",
+        "cancel_wait_seconds": 2.0,
+        "max_model_len": 2048,
+    }
+    base.update(overrides)
+    return Settings(**base)
+
+
+@pytest.fixture(scope="session")
+def settings(stores: Stores) -> Settings:
+    return make_settings(stores)
+
+
+@pytest.fixture(scope="session")
+def services(settings: Settings) -> Iterator[Services]:
+    svc = build_services(settings)
+    yield svc
+    svc.close()
+
+
+@pytest.fixture(scope="session")
+def app(settings: Settings, services: Services) -> Flask:
+    return create_app(settings, services=services)
+
+
+@pytest.fixture
+def client(app: Flask) -> FlaskClient:
+    return app.test_client()
+
+
+@pytest.fixture(scope="session")
+def tenant_keys(services: Services) -> dict[str, str]:
+    """Two tenants, one key each."""
+    suffix = secrets.token_hex(3)
+    return {
+        "a": services.keys.create_key(f"tenant-a-{suffix}"),
+        "b": services.keys.create_key(f"tenant-b-{suffix}"),
+    }
+
+
+def auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}

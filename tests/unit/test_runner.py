@@ -1,0 +1,125 @@
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from app.schemas.completion import ChatCompletion
+from tests.unit.fakes import FakeEvents, FakeStore
+from worker.engine import ByteRenderer, InstantEngine
+from worker.loop import LoopThread
+from worker.runner import JobRunner, RunnerConfig
+from worker.stats import ResourceSampler, self_pid
+
+
+@pytest.fixture
+def loop() -> Iterator[LoopThread]:
+    lt = LoopThread()
+    lt.start()
+    yield lt
+    lt.stop()
+
+
+def make_runner(loop: LoopThread, engine: InstantEngine, store: FakeStore, events: FakeEvents) -> JobRunner:
+    return JobRunner(
+        store,  # type: ignore[arg-type]
+        engine,
+        loop,
+        ByteRenderer(),
+        ResourceSampler(self_pid, None),
+        events,  # type: ignore[arg-type]
+        RunnerConfig(
+            "w1", lease_seconds=30, max_attempts=3, job_timeout_seconds=30, system_fingerprint="fp_test"
+        ),
+    )
+
+
+def body(**fields) -> dict:
+    return {"model": "m", "messages": [{"role": "user", "content": "hello"}], **fields}
+
+
+def test_success_writes_completion_usage_and_stats(loop: LoopThread) -> None:
+    store, events = FakeStore(), FakeEvents()
+    store.add("job_1", body(max_tokens=5, n=2))
+    runner = make_runner(loop, InstantEngine(), store, events)
+    assert runner.run("job_1") == "succeeded"
+    job = store.jobs["job_1"]
+    completion = ChatCompletion.model_validate(job["response"])
+    assert [c.index for c in completion.choices] == [0, 1]
+    assert completion.choices[0].message.content == "tok0 tok1 tok2 tok3 tok4"
+    assert completion.choices[0].finish_reason == "length"
+    assert job["usage"]["completion_tokens"] == 10
+    assert job["usage"]["prompt_tokens"] == len(b"hello")
+    assert job["generation_stats"]["peak_memory_usage"]["inBytes"] > 0
+    assert events.ended == [("job_1", "succeeded")]
+
+
+def test_second_delivery_of_a_claimed_job_does_nothing(loop: LoopThread) -> None:
+    store, events = FakeStore(), FakeEvents()
+    store.add("job_1", body(max_tokens=2))
+    runner = make_runner(loop, InstantEngine(), store, events)
+    assert runner.run("job_1") == "succeeded"
+    assert runner.run("job_1") is None
+    assert store.jobs["job_1"]["epoch"] == 1
+
+
+def test_prompt_over_context_fails_this_job_only(loop: LoopThread) -> None:
+    store, events = FakeStore(), FakeEvents()
+    store.add("job_long", body(messages=[{"role": "user", "content": "x" * 100}]))
+    store.add("job_ok", body(max_tokens=1))
+    runner = make_runner(loop, InstantEngine(context=50), store, events)
+    assert runner.run("job_long") == "failed"
+    assert store.jobs["job_long"]["error"]["error"]["code"] == "context_length_exceeded"
+    assert runner.run("job_ok") == "succeeded"
+
+
+def test_cancel_keeps_partial_text(loop: LoopThread) -> None:
+    store, events = FakeStore(), FakeEvents()
+    store.add("job_1", body(max_tokens=1000))
+    runner = make_runner(loop, InstantEngine(delay=0.005), store, events)
+    result: list[str | None] = []
+    t = threading.Thread(target=lambda: result.append(runner.run("job_1")))
+    t.start()
+    deadline = time.monotonic() + 5
+    while not runner.inflight() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)
+    assert runner.cancel("job_1")
+    t.join(5)
+    assert result == ["cancelled"]
+    text = store.jobs["job_1"]["response"]["choices"][0]["message"]["content"]
+    assert text.startswith("tok0 tok1")
+    assert 0 < store.jobs["job_1"]["usage"]["completion_tokens"] < 1000
+
+
+def test_write_refused_by_fence_reports_nothing(loop: LoopThread) -> None:
+    store, events = FakeStore(), FakeEvents()
+    store.add("job_1", body(max_tokens=200))
+    runner = make_runner(loop, InstantEngine(delay=0.002), store, events)
+    result: list[str | None] = []
+    t = threading.Thread(target=lambda: result.append(runner.run("job_1")))
+    t.start()
+    deadline = time.monotonic() + 5
+    while not runner.inflight() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    store.jobs["job_1"]["epoch"] += 1  # another worker took over
+    t.join(5)
+    assert result == [None]
+    assert store.jobs["job_1"]["status"] == "running"
+    assert events.ended == []
+
+
+def test_release_all_hands_unfinished_jobs_back(loop: LoopThread) -> None:
+    store, events = FakeStore(), FakeEvents()
+    store.add("job_1", body(max_tokens=4000))
+    runner = make_runner(loop, InstantEngine(delay=0.01), store, events)
+    t = threading.Thread(target=runner.run, args=("job_1",))
+    t.start()
+    deadline = time.monotonic() + 5
+    while not runner.inflight() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert runner.release_all(grace_seconds=0.05) == 1
+    t.join(5)
+    assert store.jobs["job_1"]["status"] == "queued"

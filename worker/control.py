@@ -1,0 +1,144 @@
+"""Background threads of a worker: cancel listener, lease keeper, registry heartbeat."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from redis import Redis
+
+from app.events import CANCEL_CHANNEL
+from app.services.health import register_worker, unregister_worker
+from worker.runner import JobRunner
+from worker.store import JobStore
+
+log = logging.getLogger("llmq.control")
+
+
+class _Periodic:
+    """A daemon thread calling `tick` every `interval` seconds until stopped."""
+
+    def __init__(self, name: str, interval: float) -> None:
+        self._interval = interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+
+    def tick(self) -> None:
+        raise NotImplementedError
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.tick()
+            except Exception as exc:  # noqa: BLE001 - a failed round is retried next round
+                log.warning("%s failed", self._thread.name, extra={"error": f"{type(exc).__name__}: {exc}"})
+            self._stop.wait(self._interval)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class LeaseKeeper(_Periodic):
+    """Renews the leases of this worker's running jobs (one UPDATE for all of them);
+    aborts jobs whose cancel was requested or that another worker now owns."""
+
+    def __init__(self, store: JobStore, runner: JobRunner, owner: str, lease_seconds: float) -> None:
+        super().__init__("llmq-leases", lease_seconds / 3)
+        self._store = store
+        self._runner = runner
+        self._owner = owner
+        self._lease = lease_seconds
+
+    def tick(self) -> None:
+        inflight = self._runner.inflight()
+        if not inflight:
+            return
+        owned = self._store.extend_leases(self._owner, self._lease)
+        for item in inflight:
+            held = owned.get(item.job_id)
+            if held is None or held[0] != item.epoch:
+                log.warning("lease lost; aborting", extra={"job_id": item.job_id, "epoch": item.epoch})
+                self._runner.lose(item.job_id)
+            elif held[1] and not item.cancelled.is_set():
+                self._runner.cancel(item.job_id)
+
+
+class CancelListener:
+    """Aborts running jobs in the engine as soon as a cancel is published. Pub/sub can drop
+    messages; the lease keeper's `cancel_requested_at` check is the backstop."""
+
+    def __init__(self, redis: Redis[bytes], runner: JobRunner) -> None:
+        self._redis = redis
+        self._runner = runner
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="llmq-cancel", daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                pubsub.subscribe(CANCEL_CHANNEL)
+                while not self._stop.is_set():
+                    message = pubsub.get_message(timeout=1.0)
+                    if message is None:
+                        continue
+                    job_id = (
+                        message["data"].decode()
+                        if isinstance(message["data"], bytes)
+                        else str(message["data"])
+                    )
+                    if self._runner.cancel(job_id):
+                        log.info("cancel: aborted in engine", extra={"job_id": job_id})
+            except Exception as exc:  # noqa: BLE001 - Redis away: reconnect
+                log.warning("cancel listener reconnecting", extra={"error": type(exc).__name__})
+                self._stop.wait(1.0)
+            finally:
+                pubsub.close()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class RegistryHeartbeat(_Periodic):
+    """Publishes this worker in the registry only while its consumer answers a ping that
+    travels through the broker and its engine is alive (a live process is not enough)."""
+
+    def __init__(
+        self,
+        redis: Redis[bytes],
+        name: str,
+        info: Callable[[], dict[str, Any]],
+        consuming: Callable[[], bool],
+        interval: float,
+    ) -> None:
+        super().__init__("llmq-heartbeat", interval)
+        self._redis = redis
+        self._name = name
+        self._info = info
+        self._consuming = consuming
+        self._ttl = max(3, int(interval * 3))
+
+    def tick(self) -> None:
+        info = self._info()
+        started = time.monotonic()
+        info["consuming"] = bool(info.get("engine") == "ok" and self._consuming())
+        info["ping_ms"] = round((time.monotonic() - started) * 1e3, 1)
+        if info["consuming"]:
+            register_worker(self._redis, self._name, info, self._ttl)
+        else:
+            unregister_worker(self._redis, self._name)
+
+    def stop(self) -> None:
+        super().stop()
+        with contextlib.suppress(Exception):  # best effort on the way out
+            unregister_worker(self._redis, self._name)

@@ -1,0 +1,179 @@
+"""Everything one worker process holds: the engine on its loop thread, the runner, and the
+background threads. Built once per process from the Celery `worker_init` signal."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import signal
+import socket
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from app.container import redis_client
+from app.db import Database
+from app.events import JobEvents
+from app.queue import JobQueue, create_producer
+from app.settings import Settings
+from worker.control import CancelListener, LeaseKeeper, RegistryHeartbeat
+from worker.engine import Engine, InstantEngine
+from worker.loop import LoopThread
+from worker.runner import JobRunner, RunnerConfig
+from worker.stats import ResourceSampler, find_power_sensor
+from worker.store import JobStore
+from worker.sweeper import Sweeper
+from worker.translate import Renderer
+
+log = logging.getLogger("llmq.worker")
+
+_current: WorkerRuntime | None = None
+
+
+def current() -> WorkerRuntime:
+    if _current is None:
+        raise RuntimeError("worker runtime not started (is this running inside `python -m worker`?)")
+    return _current
+
+
+def set_current(runtime: WorkerRuntime | None) -> None:
+    global _current
+    _current = runtime
+
+
+def default_worker_name() -> str:
+    return f"llmq@{socket.gethostname()}:{os.getpid()}"
+
+
+def model_fingerprint(engine: Engine, model: str | None) -> str:
+    """Engine version + model revision (hash of its config), OpenAI's `system_fingerprint`."""
+    digest = hashlib.sha256(f"{engine.name}-{engine.version}".encode())
+    if model and (Path(model) / "config.json").is_file():
+        digest.update((Path(model) / "config.json").read_bytes())
+    elif model:
+        digest.update(model.encode())
+    return f"fp_{engine.name}-{engine.version}-{digest.hexdigest()[:10]}"
+
+
+def build_engine(settings: Settings) -> tuple[Engine, Renderer]:
+    """The configured engine and the prompt renderer that goes with it."""
+    if settings.engine == "instant":
+        from worker.engine import ByteRenderer
+
+        return InstantEngine(context=settings.max_model_len or 4096), ByteRenderer()
+    from app.services.prompts import ChatRenderer
+    from worker.vllm_engine import VllmEngine
+
+    if not settings.model:
+        raise RuntimeError("LLMQ_MODEL is not set: point it at a model folder or name")
+    return VllmEngine(settings), ChatRenderer.load(settings.model)
+
+
+class WorkerRuntime:
+    def __init__(
+        self,
+        settings: Settings,
+        engine: Engine,
+        renderer: Renderer,
+        *,
+        name: str | None = None,
+        consuming: Callable[[], bool] = lambda: True,
+    ) -> None:
+        self.settings = settings
+        self.name = name or default_worker_name()
+        self.engine = engine
+        self.db = Database.from_url(
+            settings.require_database_url(), pool_size=max(4, settings.inflight_limit // 4)
+        )
+        self.redis = redis_client(settings.require_redis_url())
+        self.events = JobEvents(self.redis)
+        self.store = JobStore(self.db)
+        self.queue = JobQueue(
+            create_producer(settings), self.redis, marker_ttl_seconds=settings.visibility_timeout_seconds
+        )
+        self.loop = LoopThread()
+        self.sampler = ResourceSampler(self._pids, find_power_sensor(self._pids))
+        self.runner = JobRunner(
+            self.store,
+            engine,
+            self.loop,
+            renderer,
+            self.sampler,
+            self.events,
+            RunnerConfig(
+                worker_name=self.name,
+                lease_seconds=settings.lease_seconds,
+                max_attempts=settings.max_attempts,
+                job_timeout_seconds=settings.job_timeout_seconds,
+                system_fingerprint=model_fingerprint(engine, settings.model),
+            ),
+        )
+        self.sweeper = Sweeper(
+            self.db,
+            self.store,
+            self.queue,
+            self.events,
+            max_attempts=settings.max_attempts,
+            grace_seconds=settings.requeue_grace_seconds,
+            interval_seconds=settings.sweeper_interval_seconds,
+        )
+        self.leases = LeaseKeeper(self.store, self.runner, self.name, settings.lease_seconds)
+        self.cancels = CancelListener(self.redis, self.runner)
+        self.heartbeat = RegistryHeartbeat(
+            self.redis, self.name, self.info, consuming, settings.worker_heartbeat_seconds
+        )
+        self._stopped = threading.Event()
+
+    def _pids(self) -> list[int]:
+        return [os.getpid(), *self.engine.process_ids()]
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "model": self.settings.model_name,
+            "engine": "dead" if self.runner.engine_dead.is_set() else "ok",
+            "inflight": len(self.runner.inflight()),
+            "capacity": self.settings.inflight_limit,
+            "pid": os.getpid(),
+        }
+
+    def start(self) -> None:
+        """Start the engine (blocks until it can serve) and the background threads."""
+        self.loop.start()
+        log.info("starting engine", extra={"engine": self.engine.name, "model": self.settings.model_name})
+        self.loop.call(self.engine.start())
+        log.info("engine ready", extra={"max_model_len": self.engine.max_model_len()})
+        self.sampler.start()
+        for part in (self.sweeper, self.leases, self.cancels, self.heartbeat):
+            part.start()
+        threading.Thread(target=self._watch_engine, name="llmq-engine-watch", daemon=True).start()
+
+    def _watch_engine(self) -> None:
+        """An engine that died takes the worker down, so a supervisor restarts it and its
+        jobs resume elsewhere; consuming more work here would only fail it."""
+        self.runner.engine_dead.wait()
+        if self._stopped.is_set():
+            return
+        log.error("engine is dead; stopping this worker so it can be restarted")
+        self.heartbeat.tick()
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def drain(self, grace_seconds: float) -> None:
+        """On shutdown: let running jobs finish for `grace_seconds`, then hand the rest
+        back to the queue (their finished work is not lost: they had none to save)."""
+        released = self.runner.release_all(grace_seconds)
+        if released:
+            log.warning("released unfinished jobs on shutdown", extra={"count": released})
+
+    def stop(self) -> None:
+        self._stopped.set()
+        for part in (self.heartbeat, self.cancels, self.leases, self.sweeper, self.sampler):
+            part.stop()
+        try:
+            self.loop.call(self.engine.close(), timeout=30)
+        except Exception as exc:  # noqa: BLE001 - shutting down anyway
+            log.warning("engine close failed", extra={"error": str(exc)})
+        self.loop.stop()
+        self.db.dispose()

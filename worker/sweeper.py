@@ -1,0 +1,111 @@
+"""Recovery of abandoned work, run by every worker, acted on by one at a time.
+
+Each round: running jobs whose lease expired go back to the queue (or end `failed` when
+their attempts are spent, `cancelled` when a cancel was asked); queued jobs with no live
+message (never sent, released, or lost with a Redis restart) are sent again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from sqlalchemy import text
+
+from app.db import Database
+from app.events import JobEvents
+from app.models import JobStatus
+from app.queue import JobQueue
+from worker.store import JobStore
+
+log = logging.getLogger("llmq.sweeper")
+
+SWEEP_LOCK_KEY = 7243001
+
+
+@dataclass
+class SweepReport:
+    requeued: int = 0
+    failed: int = 0
+    cancelled: int = 0
+    resent: int = 0
+
+
+class Sweeper:
+    def __init__(
+        self,
+        db: Database,
+        store: JobStore,
+        queue: JobQueue,
+        events: JobEvents,
+        *,
+        max_attempts: int,
+        grace_seconds: float,
+        interval_seconds: float,
+    ) -> None:
+        self._db = db
+        self._store = store
+        self._queue = queue
+        self._events = events
+        self._max_attempts = max_attempts
+        self._grace = grace_seconds
+        self._interval = interval_seconds
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="llmq-sweeper", daemon=True)
+
+    @contextmanager
+    def _exclusive(self) -> Iterator[bool]:
+        """A cluster-wide mutex: a session-level advisory lock on one connection."""
+        with self._db.engine.connect() as conn:
+            got = bool(conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": SWEEP_LOCK_KEY}).scalar())
+            try:
+                yield got
+            finally:
+                if got:
+                    conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": SWEEP_LOCK_KEY})
+                conn.commit()
+
+    def sweep_once(self) -> SweepReport:
+        report = SweepReport()
+        with self._exclusive() as mine:
+            if not mine:
+                return report
+            for job in self._store.expire_leases(self._max_attempts):
+                if job.status == JobStatus.QUEUED.value:
+                    report.requeued += 1
+                    continue
+                if job.status == JobStatus.FAILED.value:
+                    report.failed += 1
+                else:
+                    report.cancelled += 1
+                self._events.publish_end(job.job_id, job.status)
+                log.warning("lease expired; job ended", extra={"job_id": job.job_id, "status": job.status})
+            stale = self._store.stale_queued(self._grace)
+            to_check = [job.job_id for job, never_sent in stale if not never_sent]
+            missing = set(self._queue.missing_markers(to_check))
+            for job, never_sent in stale:
+                if never_sent or job.job_id in missing:
+                    self._queue.enqueue(
+                        job.job_id, job.model, job.priority, batch_line=job.batch_id is not None
+                    )
+                    report.resent += 1
+            self._store.mark_enqueued([job.job_id for job, _ in stale])
+        if report.requeued or report.failed or report.cancelled or report.resent:
+            log.info("sweep", extra=vars(report))
+        return report
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                self.sweep_once()
+            except Exception as exc:  # noqa: BLE001 - Postgres or Redis down: try next round
+                log.warning("sweep failed", extra={"error": f"{type(exc).__name__}: {exc}"})
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()

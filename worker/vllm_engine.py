@@ -1,0 +1,161 @@
+"""The engine port on vLLM's `AsyncLLM`: the only module of llmq that imports vllm.
+
+One AsyncLLM per worker process, created on the worker's event-loop thread and shared by
+every in-flight job, so vLLM's scheduler batches them continuously. Outputs are requested
+as deltas, so each update costs only the new tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+import psutil
+
+from app.settings import Settings
+from worker.engine import ChoiceDelta, EngineDead, EngineUpdate, GenerationSpec, PromptTooLong, TokenLogprob
+
+log = logging.getLogger("llmq.engine")
+
+
+class VllmEngine:
+    name = "vllm"
+
+    def __init__(self, settings: Settings) -> None:
+        import vllm
+
+        self.version = str(vllm.__version__)
+        self._settings = settings
+        self._llm: Any = None
+        self._priority_scheduling = True
+
+    async def start(self) -> None:
+        from vllm.config import StructuredOutputsConfig
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
+        from vllm.usage.usage_lib import UsageContext
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        s = self._settings
+        on_cpu = bool(current_platform.is_cpu())
+        if on_cpu:
+            # Read by the engine core process, which inherits this environment.
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{s.kv_cache_space_gib:g}")
+        # On CPU, bfloat16 kernels cost small models their accuracy (SmolLM2-135M answers
+        # "What is the capital of France?" with nonsense in bf16, with Paris in fp32).
+        dtype = "float32" if on_cpu and s.dtype == "auto" else s.dtype
+        args = AsyncEngineArgs(
+            model=s.model or "",
+            served_model_name=[s.model_name],
+            dtype=dtype,
+            max_model_len=s.max_model_len,
+            max_num_seqs=s.max_num_seqs,
+            seed=s.engine_seed,
+            gpu_memory_utilization=s.gpu_memory_utilization,
+            enforce_eager=on_cpu if s.enforce_eager is None else s.enforce_eager,
+            scheduling_policy="priority" if self._priority_scheduling else "fcfs",
+            # Engine-wide: the per-request whitespace options are ignored by vLLM 0.32, and
+            # without this a model can pad JSON with whitespace until `length`.
+            structured_outputs_config=StructuredOutputsConfig(
+                backend=s.structured_output_backend, disable_any_whitespace=True
+            ),
+            disable_log_stats=True,
+            enable_prefix_caching=True,
+        )
+        self._llm = AsyncLLM.from_engine_args(args, usage_context=UsageContext.ENGINE_CONTEXT)
+
+    async def generate(self, spec: GenerationSpec) -> AsyncIterator[EngineUpdate]:
+        from vllm import SamplingParams
+        from vllm.exceptions import VLLMValidationError
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        sampling = dict(spec.sampling)
+        structured = sampling.pop("structured_outputs", None)
+        params = SamplingParams(
+            **sampling,
+            structured_outputs=StructuredOutputsParams(**structured) if structured else None,
+            output_kind=RequestOutputKind.DELTA,
+        )
+        prompt = TokensPrompt(prompt_token_ids=spec.prompt_token_ids)
+        try:
+            async for out in self._llm.generate(
+                prompt, params, spec.request_id, priority=spec.priority if self._priority_scheduling else 0
+            ):
+                yield EngineUpdate(
+                    deltas=[_delta(o) for o in out.outputs],
+                    prompt_tokens=len(out.prompt_token_ids or spec.prompt_token_ids),
+                    cached_tokens=int(out.num_cached_tokens or 0),
+                    finished=bool(out.finished),
+                )
+        except EngineDeadError as exc:
+            raise EngineDead(str(exc)) from exc
+        except VLLMValidationError as exc:
+            if getattr(exc, "parameter", None) == "input_tokens" or "context length" in str(exc):
+                raise PromptTooLong(str(exc)) from exc
+            raise
+
+    async def abort(self, request_id: str) -> None:
+        if self._llm is not None:
+            await self._llm.abort(request_id)
+
+    async def close(self) -> None:
+        """Shut the engine down and make sure none of its processes outlive it (a vLLM
+        worker process was seen lingering after its engine core exited)."""
+        if self._llm is None:
+            return
+        children = psutil.Process().children(recursive=True)
+        self._llm.shutdown()
+        self._llm = None
+        _, alive = psutil.wait_procs(children, timeout=10)
+        for proc in alive:
+            log.warning("engine process still running after shutdown; terminating", extra={"pid": proc.pid})
+            proc.terminate()
+        _, alive = psutil.wait_procs(alive, timeout=5)
+        for proc in alive:
+            proc.kill()
+
+    def process_ids(self) -> list[int]:
+        """The engine core runs in child processes of this one."""
+        try:
+            return [p.pid for p in psutil.Process().children(recursive=True)]
+        except psutil.Error:
+            return []
+
+    def max_model_len(self) -> int:
+        return int(self._llm.model_config.max_model_len)
+
+    def tokenizer(self) -> Any:
+        return self._llm.get_tokenizer()
+
+
+def _delta(output: Any) -> ChoiceDelta:
+    return ChoiceDelta(
+        index=int(output.index),
+        text=output.text or "",
+        token_ids=list(output.token_ids or ()),
+        logprobs=_logprobs(output),
+        finish_reason=output.finish_reason,
+        stop_reason=output.stop_reason,
+    )
+
+
+def _logprobs(output: Any) -> list[TokenLogprob] | None:
+    if output.logprobs is None:
+        return None
+    items = []
+    for token_id, position in zip(output.token_ids, output.logprobs, strict=False):
+        chosen = position.get(token_id)
+        top = sorted(position.values(), key=lambda lp: lp.rank or 0)
+        items.append(
+            TokenLogprob(
+                token=(chosen.decoded_token if chosen else "") or "",
+                logprob=float(chosen.logprob) if chosen else float("-inf"),
+                token_bytes=None,
+                top=[(lp.decoded_token or "", float(lp.logprob), None) for lp in top],
+            )
+        )
+    return items
