@@ -9,10 +9,12 @@ from redis import Redis
 from app.db import Database
 from app.events import JobEvents
 from app.queue import JobQueue, create_producer
+from app.services.chat import ChatService
 from app.services.contract import RequestPolicy
 from app.services.health import HealthService
 from app.services.jobs import JobService
 from app.services.keys import KeyService
+from app.services.streaming import Notifier, StreamService
 from app.settings import Settings
 
 
@@ -25,6 +27,8 @@ class Services:
     events: JobEvents
     keys: KeyService
     jobs: JobService
+    streams: StreamService
+    chat: ChatService
     health: HealthService
 
     @property
@@ -54,6 +58,7 @@ def build_services(settings: Settings, *, db_pool_size: int = 10) -> Services:
         RequestPolicy(settings, served),
         cancel_wait_seconds=settings.cancel_wait_seconds,
     )
+    streams = StreamService(db, redis, Notifier(redis), heartbeat_seconds=settings.sse_heartbeat_seconds)
     return Services(
         settings=settings,
         db=db,
@@ -62,5 +67,7 @@ def build_services(settings: Settings, *, db_pool_size: int = 10) -> Services:
         events=events,
         keys=keys,
         jobs=jobs,
+        streams=streams,
+        chat=ChatService(jobs, streams, wait_seconds=settings.sync_wait_seconds),
         health=HealthService(db, redis, served),
     )

@@ -1,21 +1,34 @@
-"""Redis keys and channels for job events, shared by the API and the worker.
+"""Redis keys, channels and event ids for job events, shared by the API and the worker.
 
 - `llmq:cancel`          pub/sub: job ids whose cancel was requested (workers listen)
-- `llmq:job:<id>`        pub/sub: notification that the job's event log grew or ended
-- `llmq:events:<id>`     Redis Stream: the job's replayable event log (chunks, end)
+- `llmq:job:<id>`        pub/sub: "the job's event log grew" (the message is the event id)
+- `llmq:events:<id>`     Redis Stream: the job's replayable event log (chunks, then `end`)
+
+Event ids are `<epoch>-<seq>`: valid Redis Stream ids that grow across attempts, and the
+SSE `id:` a client sends back as `Last-Event-ID`. An end event written from outside the
+worker (a cancel while queued, the sweeper giving up) takes the largest sequence number of
+its epoch, so it sorts after anything that attempt wrote.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from redis import Redis
 
+from app.errors import InvalidRequest
+
 CANCEL_CHANNEL = "llmq:cancel"
 END_EVENT = "end"
+EXTERNAL_END_SEQ = 2**62
+STREAM_EXPIRE_SECONDS = 3600
+
+_EVENT_ID = re.compile(r"^(\d{1,18})-(\d{1,19})$")
 
 
 def job_channel(job_id: str) -> str:
@@ -24,6 +37,52 @@ def job_channel(job_id: str) -> str:
 
 def job_stream(job_id: str) -> str:
     return f"llmq:events:{job_id}"
+
+
+def notification(event_id: str, *, final: bool) -> str:
+    """The pub/sub message for an appended event: its id, and ` end` for the last one."""
+    return f"{event_id} end" if final else event_id
+
+
+def is_end_notification(data: Any) -> bool:
+    text = data.decode() if isinstance(data, bytes) else str(data)
+    return text.endswith(" end")
+
+
+@dataclass(frozen=True, order=True)
+class EventId:
+    epoch: int
+    seq: int
+
+    def __str__(self) -> str:
+        return f"{self.epoch}-{self.seq}"
+
+
+def parse_event_id(raw: str | None) -> EventId | None:
+    """`Last-Event-ID` → EventId. Raises InvalidRequest for anything not `<epoch>-<seq>`."""
+    if raw is None or raw.strip() == "":
+        return None
+    match = _EVENT_ID.match(raw.strip())
+    if match is None:
+        raise InvalidRequest(
+            "Last-Event-ID must be an event id this stream sent, like `1-7`",
+            param="Last-Event-ID",
+            code="invalid_event_id",
+        )
+    return EventId(int(match.group(1)), int(match.group(2)))
+
+
+def end_event(
+    epoch: int, status: str, error: dict[str, Any] | None, usage: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """An end event written by someone other than the attempt's worker."""
+    return {
+        "id": str(EventId(max(epoch, 0), EXTERNAL_END_SEQ)),
+        "type": END_EVENT,
+        "status": status,
+        "usage": usage,
+        "error": error,
+    }
 
 
 class JobEvents:
@@ -35,8 +94,13 @@ class JobEvents:
     def request_cancel(self, job_id: str) -> None:
         self._redis.publish(CANCEL_CHANNEL, job_id)
 
-    def publish_end(self, job_id: str, status: str) -> None:
-        self._redis.publish(job_channel(job_id), json.dumps({"type": END_EVENT, "status": status}))
+    def append_end(self, job_id: str, event: dict[str, Any]) -> None:
+        """Append an end event to the job's log (if no later event is there) and notify."""
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.xadd(job_stream(job_id), {"e": json.dumps(event)}, id=event["id"])
+        pipe.expire(job_stream(job_id), STREAM_EXPIRE_SECONDS)
+        pipe.publish(job_channel(job_id), notification(event["id"], final=True))
+        pipe.execute(raise_on_error=False)
 
     def wait_for_end(self, job_id: str, is_done: Callable[[], bool], timeout: float) -> bool:
         """Block until the job ends or `timeout` seconds pass; True if it ended.
@@ -52,15 +116,8 @@ class JobEvents:
             deadline = time.monotonic() + timeout
             while (left := deadline - time.monotonic()) > 0:
                 message = pubsub.get_message(timeout=min(left, 1.0))
-                if message is not None and _is_end(message.get("data")):
+                if message is not None and is_end_notification(message["data"]):
                     return True
             return is_done()
         finally:
             pubsub.close()
-
-
-def _is_end(data: Any) -> bool:
-    try:
-        return bool(json.loads(data).get("type") == END_EVENT)
-    except (TypeError, ValueError, AttributeError):
-        return False

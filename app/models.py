@@ -116,6 +116,8 @@ class Job(Base):
     generation_stats: Mapped[dict[str, Any] | None]
     power_usage: Mapped[dict[str, Any] | None]
     metadata_: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON)
+    # The stream's events (chunks, then `end`), kept for replay once Redis has let them go.
+    events: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON)
 
     # Delivery and fencing: every write after the claim says WHERE epoch = :mine.
     attempts: Mapped[int] = mapped_column(Integer, server_default="0")

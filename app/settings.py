@@ -76,6 +76,10 @@ class Settings(BaseSettings):
         default=4 * 3600, description="Broker redelivery timeout; above the longest job."
     )
     cancel_wait_seconds: float = Field(default=5.0, ge=0)
+    sync_wait_seconds: float = Field(
+        default=300.0, ge=0, description="How long /v1/chat/completions waits before answering 202."
+    )
+    sse_heartbeat_seconds: float = Field(default=15.0, gt=0, description="Keep-alive comment interval.")
     worker_heartbeat_seconds: float = Field(default=5.0, gt=0)
     shutdown_grace_seconds: float = Field(
         default=20.0, ge=0, description="On SIGTERM, how long running jobs may finish."

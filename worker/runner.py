@@ -1,4 +1,5 @@
-"""One job, start to end: claim → translate → generate → save, fenced by epoch."""
+"""One job, start to end: claim → translate → generate (streaming chunks) → save, fenced
+by epoch. The end event is published only after Postgres accepted the result."""
 
 from __future__ import annotations
 
@@ -10,16 +11,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError, SQLAlchemyError
 
 from app.errors import InvalidRequest, LlmqError
-from app.events import JobEvents
 from app.models import JobStatus
 from worker.engine import Engine, EngineDead, EngineUpdate, GenerationSpec, PromptTooLong
 from worker.loop import LoopThread
-from worker.response import ChoiceState, build_completion, build_usage
+from worker.response import ChoiceState, build_completion, build_usage, completion_id
 from worker.stats import ResourceSampler, generation_stats, power_usage
 from worker.store import Claim, JobStore
+from worker.streaming import JobStream, StreamPublisher
 from worker.translate import Renderer, translate
 
 log = logging.getLogger("llmq.runner")
@@ -73,6 +74,15 @@ class Outcome:
         return sum(c.tokens for c in self.choices)
 
 
+@dataclass
+class Run:
+    """One attempt at one job: what the claim gave, and where its events go."""
+
+    claim: Claim
+    stream: JobStream
+    ctx: dict[str, Any]
+
+
 class JobRunner:
     def __init__(
         self,
@@ -81,7 +91,7 @@ class JobRunner:
         loop: LoopThread,
         renderer: Renderer,
         sampler: ResourceSampler,
-        events: JobEvents,
+        streams: StreamPublisher,
         config: RunnerConfig,
     ) -> None:
         self._store = store
@@ -89,7 +99,7 @@ class JobRunner:
         self._loop = loop
         self._renderer = renderer
         self._sampler = sampler
-        self._events = events
+        self._streams = streams
         self._config = config
         self._inflight: dict[str, Inflight] = {}
         self._lock = threading.Lock()
@@ -101,23 +111,22 @@ class JobRunner:
         with self._lock:
             return list(self._inflight.values())
 
-    def cancel(self, job_id: str) -> bool:
-        """Abort `job_id` in the engine if it runs here. True if it did."""
+    def _abort(self, job_id: str, flag: str) -> bool:
         with self._lock:
             item = self._inflight.get(job_id)
         if item is None:
             return False
-        item.cancelled.set()
+        getattr(item, flag).set()
         self._loop.submit(self._engine.abort(item.request_id))
         return True
 
+    def cancel(self, job_id: str) -> bool:
+        """Abort `job_id` in the engine if it runs here; its partial text is kept."""
+        return self._abort(job_id, "cancelled")
+
     def lose(self, job_id: str) -> None:
         """Another worker owns the job now (our lease lapsed): stop spending on it."""
-        with self._lock:
-            item = self._inflight.get(job_id)
-        if item is not None:
-            item.lost.set()
-            self._loop.submit(self._engine.abort(item.request_id))
+        self._abort(job_id, "lost")
 
     def release_all(self, grace_seconds: float) -> int:
         """Wait up to `grace_seconds` for running jobs to finish, then abort the rest and
@@ -127,8 +136,7 @@ class JobRunner:
             time.sleep(0.1)
         items = self.inflight()
         for item in items:
-            item.released.set()
-            self._loop.submit(self._engine.abort(item.request_id))
+            self._abort(item.job_id, "released")
         return len(items)
 
     # --- the job --------------------------------------------------------------------
@@ -145,86 +153,87 @@ class JobRunner:
             return None
         ctx = {"job_id": job_id, "epoch": claim.epoch, "attempt": claim.attempts, "batch_id": claim.batch_id}
         log.info("job claimed", extra=ctx)
+        request = claim.request
+        header = {
+            "id": completion_id(job_id),
+            "created": int(claim.created_at.timestamp()),
+            "model": claim.model,
+            "system_fingerprint": cfg.system_fingerprint,
+        }
+        stream = self._streams.open(
+            job_id, claim.epoch, header, n=int(request.get("n") or 1), logprobs=bool(request.get("logprobs"))
+        )
+        run = Run(claim, stream, ctx)
         try:
             req, spec = translate(
-                claim.request,
+                request,
                 request_id=f"{job_id}-{claim.epoch}",
                 kind=claim.kind,
                 renderer=self._renderer,
                 max_model_len=self._engine.max_model_len(),
             )
         except LlmqError as exc:
-            return self._end_failed(claim, exc.body(), ctx)
+            return self._end_failed(run, exc.body())
         item = Inflight(job_id, claim.epoch, spec.request_id)
         with self._lock:
             self._inflight[job_id] = item
         try:
-            return self._generate_and_save(claim, req.service_tier, spec, item, ctx)
+            return self._generate_and_save(run, req.service_tier, spec, item)
         finally:
             with self._lock:
                 self._inflight.pop(job_id, None)
 
     def _generate_and_save(
-        self,
-        claim: Claim,
-        service_tier: str | None,
-        spec: GenerationSpec,
-        item: Inflight,
-        ctx: dict[str, Any],
+        self, run: Run, service_tier: str | None, spec: GenerationSpec, item: Inflight
     ) -> str | None:
         outcome = Outcome(spec.n)
-        future = self._loop.submit(self._drive(spec, outcome))
+        future = self._loop.submit(self._drive(spec, outcome, run.stream))
         try:
             future.result(timeout=self._config.job_timeout_seconds)
         except concurrent.futures.TimeoutError:
             self._loop.submit(self._engine.abort(spec.request_id))
-            return self._end_failed(
-                claim,
-                InvalidRequest(
-                    f"the job ran past its deadline of {self._config.job_timeout_seconds:.0f} s",
-                    code="timeout",
-                ).body(),
-                ctx,
-            )
+            deadline = self._config.job_timeout_seconds
+            late = InvalidRequest(f"the job ran past its deadline of {deadline:.0f} s", code="timeout")
+            return self._end_failed(run, late.body())
         except PromptTooLong as exc:
-            return self._end_failed(
-                claim, InvalidRequest(str(exc), param="messages", code="context_length_exceeded").body(), ctx
-            )
+            too_long = InvalidRequest(str(exc), param="messages", code="context_length_exceeded")
+            return self._end_failed(run, too_long.body())
         except EngineDead:
             self.engine_dead.set()
-            released = self._persist(lambda: self._store.release(claim.job_id, claim.epoch), ctx)
-            log.error("engine died; job released", extra={**ctx, "released": released})
+            self._hand_back(run, "engine died")
             raise
         except Exception as exc:
-            log.exception("engine error", extra=ctx)
-            return self._end_failed(
-                claim,
-                {
-                    "error": {
-                        "message": f"engine error: {exc}",
-                        "type": "engine_error",
-                        "param": None,
-                        "code": None,
-                    }
-                },
-                ctx,
-            )
+            log.exception("engine error", extra=run.ctx)
+            error = {
+                "error": {
+                    "message": f"engine error: {exc}",
+                    "type": "engine_error",
+                    "param": None,
+                    "code": None,
+                }
+            }
+            return self._end_failed(run, error)
         if item.lost.is_set():
-            log.warning("lease lost while running; result discarded", extra=ctx)
+            log.warning("lease lost while running; result discarded", extra=run.ctx)
+            self._streams.discard(run.claim.job_id)
             return None
         if item.released.is_set():
-            released = self._persist(lambda: self._store.release(claim.job_id, claim.epoch), ctx)
-            log.warning("job handed back to the queue", extra={**ctx, "released": released})
+            self._hand_back(run, "worker shutting down")
             return None
-        return self._save(claim, service_tier, outcome, item, ctx)
+        return self._save(run, service_tier, outcome, item)
 
-    async def _drive(self, spec: GenerationSpec, outcome: Outcome) -> None:
+    async def _drive(self, spec: GenerationSpec, outcome: Outcome, stream: JobStream) -> None:
         async for update in self._engine.generate(spec):
             outcome.add(update)
+            stream.add(update)
 
-    def _save(
-        self, claim: Claim, service_tier: str | None, outcome: Outcome, item: Inflight, ctx: dict[str, Any]
-    ) -> str | None:
+    def _hand_back(self, run: Run, why: str) -> None:
+        released = self._persist(lambda: self._store.release(run.claim.job_id, run.claim.epoch), run.ctx)
+        self._streams.discard(run.claim.job_id)
+        log.warning("job handed back to the queue", extra={**run.ctx, "why": why, "released": released})
+
+    def _save(self, run: Run, service_tier: str | None, outcome: Outcome, item: Inflight) -> str | None:
+        claim = run.claim
         ended = time.monotonic()
         samples = self._sampler.window(outcome.submitted, ended)
         stats = generation_stats(
@@ -244,25 +253,35 @@ class JobRunner:
             system_fingerprint=self._config.system_fingerprint,
             service_tier=service_tier,
         )
-        if item.cancelled.is_set() or any(c.finish_reason == "abort" for c in outcome.choices):
-            status = JobStatus.CANCELLED
-            write = lambda: self._store.cancel(  # noqa: E731
-                claim.job_id, claim.epoch, response=response, usage=usage, generation_stats=stats
-            )
-        else:
-            status = JobStatus.SUCCEEDED
-            write = lambda: self._store.succeed(  # noqa: E731
+        cancelled = item.cancelled.is_set() or any(c.finish_reason == "abort" for c in outcome.choices)
+        status = JobStatus.CANCELLED if cancelled else JobStatus.SUCCEEDED
+        end = run.stream.end_event(status.value, usage=usage, error=None)
+        events = run.stream.events
+
+        def write() -> bool:
+            if cancelled:
+                return self._store.cancel(
+                    claim.job_id,
+                    claim.epoch,
+                    response=response,
+                    usage=usage,
+                    generation_stats=stats,
+                    events=events,
+                )
+            return self._store.succeed(
                 claim.job_id,
                 claim.epoch,
                 response=response,
                 usage=usage,
                 generation_stats=stats,
                 power_usage=power,
+                events=events,
             )
+
         try:
-            ok = self._persist(write, ctx)
+            ok = self._persist(write, run.ctx)
         except SQLAlchemyError as exc:
-            log.exception("result could not be stored", extra=ctx)
+            log.exception("result could not be stored", extra=run.ctx)
             error = {
                 "error": {
                     "message": f"the result could not be stored: {type(exc).__name__}",
@@ -271,8 +290,27 @@ class JobRunner:
                     "code": "result_not_stored",
                 }
             }
-            return self._end_failed(claim, error, ctx)
-        return self._after_write(claim, ok, status, {**ctx, "completion_tokens": outcome.completion_tokens})
+            return self._end_failed(run, error)
+        return self._after_write(run, ok, status, end, completion_tokens=outcome.completion_tokens)
+
+    def _end_failed(self, run: Run, error: dict[str, Any]) -> str | None:
+        end = run.stream.end_event(JobStatus.FAILED.value, usage=None, error=error["error"])
+        events = run.stream.events
+        ok = self._persist(
+            lambda: self._store.fail(run.claim.job_id, run.claim.epoch, error, events), run.ctx
+        )
+        return self._after_write(run, ok, JobStatus.FAILED, end, code=error["error"].get("code"))
+
+    def _after_write(
+        self, run: Run, ok: bool, status: JobStatus, end: dict[str, Any], **extra: Any
+    ) -> str | None:
+        if not ok:
+            log.warning("write refused by the epoch fence; another worker owns the job", extra=run.ctx)
+            self._streams.discard(run.claim.job_id)
+            return None
+        run.stream.publish_end(end)
+        log.info("job %s", status.value, extra={**run.ctx, **extra})
+        return status.value
 
     def _persist(self, write: Callable[[], bool], ctx: dict[str, Any]) -> bool:
         """Run a fenced write, retrying with backoff while the database is unreachable
@@ -283,31 +321,9 @@ class JobRunner:
             try:
                 return write()
             except DBAPIError as exc:
-                if not exc.connection_invalidated and not _is_connection_error(exc):
-                    raise
-                if time.monotonic() > deadline:
+                transient = exc.connection_invalidated or isinstance(exc, OperationalError | InterfaceError)
+                if not transient or time.monotonic() > deadline:
                     raise
                 log.warning("database unavailable; retrying the write", extra={**ctx, "retry_in": delay})
                 time.sleep(delay)
                 delay = min(delay * 2, 10.0)
-
-    def _end_failed(self, claim: Claim, error: dict[str, Any], ctx: dict[str, Any]) -> str | None:
-        ok = self._persist(lambda: self._store.fail(claim.job_id, claim.epoch, error), ctx)
-        return self._after_write(claim, ok, JobStatus.FAILED, {**ctx, "code": error["error"].get("code")})
-
-    def _after_write(self, claim: Claim, ok: bool, status: JobStatus, ctx: dict[str, Any]) -> str | None:
-        if not ok:
-            log.warning("write refused by the epoch fence; another worker owns the job", extra=ctx)
-            return None
-        try:
-            self._events.publish_end(claim.job_id, status.value)
-        except Exception as exc:  # noqa: BLE001 - the result is saved; waiters fall back to Postgres
-            log.warning("end notification failed", extra={**ctx, "error": str(exc)})
-        log.info("job %s", status.value, extra=ctx)
-        return status.value
-
-
-def _is_connection_error(exc: DBAPIError) -> bool:
-    from sqlalchemy.exc import InterfaceError, OperationalError
-
-    return isinstance(exc, OperationalError | InterfaceError)

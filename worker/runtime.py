@@ -24,6 +24,7 @@ from worker.loop import LoopThread
 from worker.runner import JobRunner, RunnerConfig
 from worker.stats import ResourceSampler, find_power_sensor
 from worker.store import JobStore
+from worker.streaming import StreamPublisher
 from worker.sweeper import Sweeper
 from worker.translate import Renderer
 
@@ -95,13 +96,14 @@ class WorkerRuntime:
         )
         self.loop = LoopThread()
         self.sampler = ResourceSampler(self._pids, find_power_sensor(self._pids))
+        self.streams = StreamPublisher(self.redis)
         self.runner = JobRunner(
             self.store,
             engine,
             self.loop,
             renderer,
             self.sampler,
-            self.events,
+            self.streams,
             RunnerConfig(
                 worker_name=self.name,
                 lease_seconds=settings.lease_seconds,
@@ -146,6 +148,7 @@ class WorkerRuntime:
         self.loop.call(self.engine.start())
         log.info("engine ready", extra={"max_model_len": self.engine.max_model_len()})
         self.sampler.start()
+        self.streams.start()
         for part in (self.sweeper, self.leases, self.cancels, self.heartbeat):
             part.start()
         threading.Thread(target=self._watch_engine, name="llmq-engine-watch", daemon=True).start()
@@ -169,7 +172,7 @@ class WorkerRuntime:
 
     def stop(self) -> None:
         self._stopped.set()
-        for part in (self.heartbeat, self.cancels, self.leases, self.sweeper, self.sampler):
+        for part in (self.heartbeat, self.cancels, self.leases, self.sweeper, self.sampler, self.streams):
             part.stop()
         try:
             self.loop.call(self.engine.close(), timeout=30)

@@ -40,6 +40,8 @@ class Expired:
     model: str
     priority: int
     batch_id: str | None
+    epoch: int = 0
+    error: dict[str, Any] | None = None
 
 
 class JobStore:
@@ -104,6 +106,7 @@ class JobStore:
         usage: dict[str, Any],
         generation_stats: dict[str, Any],
         power_usage: dict[str, Any] | None,
+        events: list[dict[str, Any]] | None = None,
     ) -> bool:
         """Record the result. False when the fence refused it (someone else owns the job)."""
         return self._finish(
@@ -117,14 +120,17 @@ class JobStore:
                 "generation_stats": generation_stats,
                 "power_usage": power_usage,
                 "error": None,
+                "events": events,
             },
         )
 
-    def fail(self, job_id: str, epoch: int, error: dict[str, Any]) -> bool:
+    def fail(
+        self, job_id: str, epoch: int, error: dict[str, Any], events: list[dict[str, Any]] | None = None
+    ) -> bool:
         return self._finish(
             job_id,
             epoch,
-            {"status": JobStatus.FAILED.value, "failed_at": func.now(), "error": error},
+            {"status": JobStatus.FAILED.value, "failed_at": func.now(), "error": error, "events": events},
         )
 
     def cancel(
@@ -135,6 +141,7 @@ class JobStore:
         response: dict[str, Any] | None,
         usage: dict[str, Any] | None,
         generation_stats: dict[str, Any] | None,
+        events: list[dict[str, Any]] | None = None,
     ) -> bool:
         """Record a cancel with the partial text generated so far."""
         return self._finish(
@@ -146,6 +153,7 @@ class JobStore:
                 "response": response,
                 "usage": usage,
                 "generation_stats": generation_stats,
+                "events": events,
             },
         )
 
@@ -196,7 +204,7 @@ class JobStore:
             WHERE id IN (
               SELECT id FROM jobs WHERE status = 'running' AND lease_expires_at < now()
               ORDER BY lease_expires_at LIMIT 1000 FOR UPDATE SKIP LOCKED)
-            RETURNING id, status, model, priority, batch_id
+            RETURNING id, status, model, priority, batch_id, epoch, error
             """
         )
         with self._db.session() as s:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from sqlalchemy import text
 
 from app.db import Database
-from app.events import JobEvents
+from app.events import JobEvents, end_event
 from app.models import JobStatus
 from app.queue import JobQueue
 from worker.store import JobStore
@@ -81,7 +81,8 @@ class Sweeper:
                     report.failed += 1
                 else:
                     report.cancelled += 1
-                self._events.publish_end(job.job_id, job.status)
+                error = (job.error or {}).get("error")
+                self._events.append_end(job.job_id, end_event(job.epoch, job.status, error))
                 log.warning("lease expired; job ended", extra={"job_id": job.job_id, "status": job.status})
             stale = self._store.stale_queued(self._grace)
             to_check = [job.job_id for job, never_sent in stale if not never_sent]

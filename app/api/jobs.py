@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from flask import Blueprint, Response, jsonify, request
 
+from app.api.chat import sse_response
 from app.api.deps import authenticate, json_body, principal, services
 from app.errors import InvalidRequest
 
@@ -42,3 +43,22 @@ def list_jobs() -> Response:
 @bp.post("/v2/jobs/<job_id>/cancel")
 def cancel_job(job_id: str) -> Response:
     return jsonify(services().jobs.cancel(principal(), job_id).model_dump(mode="json"))
+
+
+@bp.get("/v2/jobs/<job_id>/stream")
+def stream_job(job_id: str) -> Response:
+    """SSE: the backlog, then live events; `Last-Event-ID` resumes after an event."""
+    include = request.args.get("include_usage")
+    body = services().streams.open_stream(
+        principal(),
+        job_id,
+        request.headers.get("Last-Event-ID") or request.args.get("last_event_id"),
+        include_usage=None if include is None else include.lower() in ("1", "true", "yes"),
+    )
+    return sse_response(body, job_id)
+
+
+@bp.get("/v2/jobs/<job_id>/events")
+def job_events(job_id: str) -> Response:
+    """The recorded stream (seed 002's shape)."""
+    return jsonify(services().streams.recorded(principal(), job_id))

@@ -10,7 +10,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from app.schemas.chat import ChatCompletionV2Request
-from app.schemas.completion import BenchChatCompletion, ChatCompletion
+from app.schemas.completion import BenchChatCompletion, ChatCompletion, RecordedStream
 from app.schemas.jobs import ErrorResponse, JobList, JobObject, ModelList
 
 bp = Blueprint("openapi", __name__)
@@ -33,6 +33,51 @@ ROUTES: list[Route] = [
     ),
     ("get", "/v2/jobs/{job_id}", "Read one job", None, {200: JobObject}, ["job_id"], []),
     ("post", "/v2/jobs/{job_id}/cancel", "Cancel a job", None, {200: JobObject}, ["job_id"], []),
+    (
+        "get",
+        "/v2/jobs/{job_id}/stream",
+        "Server-sent events of a job (Last-Event-ID resumes)",
+        None,
+        {200: None},
+        ["job_id"],
+        ["include_usage"],
+    ),
+    (
+        "get",
+        "/v2/jobs/{job_id}/events",
+        "The recorded stream of a job",
+        None,
+        {200: RecordedStream},
+        ["job_id"],
+        [],
+    ),
+    (
+        "post",
+        "/v1/chat/completions",
+        "Chat completion (waits; `stream: true` relays SSE)",
+        ChatCompletionV2Request,
+        {200: ChatCompletion, 202: JobObject},
+        [],
+        [],
+    ),
+    (
+        "post",
+        "/v2/chat/completions",
+        "Chat completion (waits; `stream: true` relays SSE)",
+        ChatCompletionV2Request,
+        {200: ChatCompletion, 202: JobObject},
+        [],
+        [],
+    ),
+    (
+        "post",
+        "/bench/chat/completions",
+        "Chat completion with bench settings and measured stats",
+        ChatCompletionV2Request,
+        {200: BenchChatCompletion, 202: JobObject},
+        [],
+        [],
+    ),
     ("get", "/v1/models", "Served models", None, {200: ModelList}, [], []),
 ]
 

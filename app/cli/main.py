@@ -108,22 +108,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_api(args: argparse.Namespace) -> int:
-    argv = [
-        sys.executable,
-        "-m",
-        "gunicorn",
-        "--worker-class",
-        "gthread",
-        "--workers",
-        str(args.workers),
-        "--threads",
-        str(args.threads),
-        "--bind",
-        f"{args.host}:{args.port}",
-        "--graceful-timeout",
-        "20",
-        "app.api:create_app()",
-    ]
+    from app.serve import gunicorn_argv
+
+    argv = gunicorn_argv(args.host, args.port, workers=args.workers, connections=args.connections)
     os.execv(sys.executable, argv)  # noqa: S606 - replaces this process with gunicorn
 
 
@@ -235,8 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
     api = sub.add_parser("api", help="serve the HTTP API with gunicorn (production)")
     api.add_argument("--host", default="0.0.0.0")
     api.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8000")))
-    api.add_argument("--workers", type=int, default=2)
-    api.add_argument("--threads", type=int, default=32)
+    api.add_argument("--workers", type=int, default=2, help="gunicorn worker processes")
+    api.add_argument("--connections", type=int, default=2000, help="concurrent connections per worker")
     api.set_defaults(func=cmd_api)
 
     worker = sub.add_parser("worker", help="run one worker (one engine) for LLMQ_MODEL")

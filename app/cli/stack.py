@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 
 from app.cli.embedded import Server, free_port, pg_start, redis_start
+from app.serve import gunicorn_argv
 from app.settings import Settings
 
 log = logging.getLogger("llmq.up")
@@ -125,27 +126,9 @@ class Stack:
         )
 
     def start_api(self) -> None:
+        workers = int(os.environ.get("LLMQ_API_WORKERS", "2"))
         self.procs["api"] = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "gunicorn",
-                "--worker-class",
-                "gthread",
-                "--workers",
-                os.environ.get("LLMQ_API_WORKERS", "2"),
-                "--threads",
-                os.environ.get("LLMQ_API_THREADS", "32"),
-                "--bind",
-                f"{self.host}:{self.port}",
-                "--graceful-timeout",
-                "20",
-                "--timeout",
-                "120",
-                "--log-level",
-                "warning",
-                "app.api:create_app()",
-            ],
+            gunicorn_argv(self.host, self.port, workers=workers),
             env=self._child_env(),
             start_new_session=True,
         )

@@ -157,3 +157,10 @@ class BenchChatCompletion(ChatCompletion):
 
     generation_stats: GenerationStats | None = None
     power_usage: PowerUsage | None = None
+
+
+class RecordedStream(WireModel):
+    """Seed 002: every chunk of a job's stream, and its usage once it ended."""
+
+    events: list[ChatCompletionChunk]
+    usage: Usage | None = None

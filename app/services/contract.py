@@ -33,6 +33,9 @@ HONOURED: frozenset[str] = frozenset(
         "n",
         "ignore_eos",
         "priority",
+        # Streaming: the chat endpoints relay SSE; see `check` for POST /v2/jobs.
+        "stream",
+        "stream_options",
         # Stored with the job, returned on it.
         "metadata",
         "user",
@@ -52,7 +55,6 @@ def _empty(v: Any) -> bool:
 
 # A set field with a neutral value asks for exactly what happens anyway.
 NEUTRAL: dict[str, Callable[[Any], bool]] = {
-    "stream": _is(False),
     "logprobs": _is(False),
     "top_logprobs": _is(0),
     "echo": _is(False),
@@ -77,7 +79,6 @@ NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "function_call": _is("none"),
     "modalities": _is(["text"]),
     "response_format": lambda v: v.get("type") == "text",
-    "stream_options": lambda v: not v.get("include_usage"),
 }
 
 WHY_UNSUPPORTED: dict[str, str] = {
@@ -96,8 +97,11 @@ class RequestPolicy:
         self._settings = settings
         self._served = served_models
 
-    def check(self, req: ChatCompletionV2Request) -> None:
-        """Raises:
+    def check(self, req: ChatCompletionV2Request, *, streaming: bool = False) -> None:
+        """`streaming`: the endpoint can answer `stream: true` (the chat endpoints can;
+        `POST /v2/jobs` answers 202 and streams from `/v2/jobs/<id>/stream`).
+
+        Raises:
         NotFound: `model` is not served here.
         Unsupported: a field set to something this deployment does not honour.
         InvalidRequest: a bound is exceeded or fields contradict each other.
@@ -108,6 +112,12 @@ class RequestPolicy:
                 f"served: {', '.join(sorted(self._served))}",
                 param="model",
                 code="model_not_found",
+            )
+        if req.stream and not streaming:
+            raise InvalidRequest(
+                "`stream: true` is for /v1/chat/completions and /v2/chat/completions; a queued "
+                "job streams from GET /v2/jobs/<id>/stream",
+                param="stream",
             )
         self._check_fields(req)
         self._check_bounds(req)

@@ -10,7 +10,7 @@ from sqlalchemy import select, update
 
 from app.db import Database
 from app.errors import Conflict, InvalidRequest, NotFound
-from app.events import JobEvents
+from app.events import JobEvents, end_event
 from app.ids import new_id
 from app.models import Job, JobKind, JobStatus
 from app.queue import JobQueue
@@ -73,18 +73,23 @@ class JobService:
         self._policy = policy
         self._cancel_wait = cancel_wait_seconds
 
-    def validate(self, payload: Any) -> ChatCompletionV2Request:
+    def validate(self, payload: Any, *, streaming: bool = False) -> ChatCompletionV2Request:
         """Raises:
         InvalidRequest / Unsupported / NotFound: the request cannot run here.
         """
         request = parse_model(ChatCompletionV2Request, payload)
-        self._policy.check(request)
+        self._policy.check(request, streaming=streaming)
         return request
 
-    def submit(self, principal: Principal, payload: Any, *, kind: JobKind = JobKind.CHAT) -> JobObject:
-        """Validate, store, then enqueue one job. The job is durable before any message
+    def submit(self, principal: Principal, payload: Any) -> JobObject:
+        """`POST /v2/jobs`: validate, store, enqueue."""
+        return self.submit_request(principal, self.validate(payload))
+
+    def submit_request(
+        self, principal: Principal, request: ChatCompletionV2Request, *, kind: JobKind = JobKind.CHAT
+    ) -> JobObject:
+        """Store, then enqueue one validated job. The job is durable before any message
         names it; if Redis is down the sweeper sends the message once it is back."""
-        request = self.validate(payload)
         now = datetime.now(UTC)
         job = Job(
             id=new_id("job"),
@@ -172,17 +177,22 @@ class JobService:
                     param="job_id",
                     code="job_not_cancellable",
                 )
-            s.execute(
+            was_queued = s.execute(
                 update(Job)
                 .where(Job.id == job_id, Job.status == JobStatus.QUEUED.value)
                 .values(status=JobStatus.CANCELLED.value, cancelled_at=now, cancel_requested_at=now)
-            )
+                .returning(Job.epoch)
+            ).first()
             s.execute(
                 update(Job)
                 .where(Job.id == job_id, Job.status == JobStatus.RUNNING.value)
                 .values(cancel_requested_at=now)
             )
-        self._events.request_cancel(job_id)
+        if was_queued is not None:
+            # Nobody runs it: end its event log here, so subscribers are told.
+            self._events.append_end(job_id, end_event(was_queued.epoch, JobStatus.CANCELLED.value, None))
+        else:
+            self._events.request_cancel(job_id)
         self._events.wait_for_end(job_id, lambda: self._is_terminal(job_id), self._cancel_wait)
         log.info("job cancel requested", extra={"job_id": job_id, "tenant": principal.tenant_id})
         return self.get(principal, job_id)

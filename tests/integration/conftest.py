@@ -17,6 +17,7 @@ import pytest
 import redis
 
 from app.cli.embedded import free_port
+from app.serve import gunicorn_argv
 from app.services.health import live_workers
 from tests.conftest import ROOT, Stores
 
@@ -110,20 +111,7 @@ class ApiProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         log = open(log_path, "ab")  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "gunicorn",
-                "-k",
-                "gthread",
-                "--workers",
-                "2",
-                "--threads",
-                "32",
-                "--bind",
-                f"127.0.0.1:{self.port}",
-                "app.api:create_app()",
-            ],
+            gunicorn_argv("127.0.0.1", self.port),
             env=env,
             cwd=ROOT,
             stdout=log,

@@ -45,8 +45,8 @@ class FakeStore:
     def succeed(self, job_id: str, epoch: int, **values: Any) -> bool:
         return self._finish(job_id, epoch, status="succeeded", **values)
 
-    def fail(self, job_id: str, epoch: int, error: dict[str, Any]) -> bool:
-        return self._finish(job_id, epoch, status="failed", error=error)
+    def fail(self, job_id: str, epoch: int, error: dict[str, Any], events: Any = None) -> bool:
+        return self._finish(job_id, epoch, status="failed", error=error, events=events)
 
     def cancel(self, job_id: str, epoch: int, **values: Any) -> bool:
         return self._finish(job_id, epoch, status="cancelled", **values)
@@ -55,9 +55,32 @@ class FakeStore:
         return self._finish(job_id, epoch, status="queued")
 
 
-class FakeEvents:
-    def __init__(self) -> None:
-        self.ended: list[tuple[str, str]] = []
+class FakeStreams:
+    """The StreamPublisher contract, in memory: what would have been shipped to Redis."""
 
-    def publish_end(self, job_id: str, status: str) -> None:
-        self.ended.append((job_id, status))
+    flush_tokens = 4
+    flush_seconds = 10.0
+
+    def __init__(self) -> None:
+        self.shipped: dict[str, list[dict[str, Any]]] = {}
+        self.discarded: list[str] = []
+
+    def open(
+        self, job_id: str, epoch: int, header: dict[str, Any], *, n: int = 1, logprobs: bool = False
+    ) -> Any:
+        from worker.streaming import JobStream
+
+        self.shipped[job_id] = []
+        return JobStream(self, job_id, epoch, header, n=n, logprobs=logprobs)  # type: ignore[arg-type]
+
+    def submit(self, job_id: str, event: dict[str, Any], *, final: bool = False) -> None:
+        self.shipped[job_id].append(event)
+
+    def discard(self, job_id: str) -> None:
+        self.discarded.append(job_id)
+
+    @property
+    def ended(self) -> list[tuple[str, str]]:
+        return [
+            (j, e["status"]) for j, events in self.shipped.items() for e in events if e.get("type") == "end"
+        ]

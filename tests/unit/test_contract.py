@@ -27,8 +27,6 @@ NON_NEUTRAL = {
     "logprobs": True,
     "response_format": {"type": "json_object"},
     "audio": {"voice": "alloy", "format": "wav"},
-    "stream": True,
-    "stream_options": {"include_usage": True},
     "logit_bias": {"5": 10},
     "prediction": {"type": "content", "content": "x"},
     "tools": [{"type": "function", "function": {"name": "f"}}],
@@ -104,7 +102,6 @@ def test_honoured_and_neutral_fields_pass(fields) -> None:
         ({"web_search_options": {}}, "web_search_options"),
         ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
         ({"best_of": 3}, "best_of"),
-        ({"stream": True}, "stream"),
         ({"chat_template": "{{ x }}"}, "chat_template"),
     ],
 )
@@ -137,6 +134,13 @@ def test_bounds(fields, param) -> None:
     with pytest.raises(InvalidRequest) as exc:
         POLICY.check(req(**fields))
     assert exc.value.param == param
+
+
+def test_stream_only_where_the_endpoint_streams() -> None:
+    POLICY.check(req(stream=True, stream_options={"include_usage": True}), streaming=True)
+    with pytest.raises(InvalidRequest) as exc:
+        POLICY.check(req(stream=True))
+    assert exc.value.param == "stream"
 
 
 def test_unknown_model() -> None:

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 
 from app.schemas.completion import ChatCompletion
-from tests.unit.fakes import FakeEvents, FakeStore
+from tests.unit.fakes import FakeStore, FakeStreams
 from worker.engine import ByteRenderer, InstantEngine
 from worker.loop import LoopThread
 from worker.runner import JobRunner, RunnerConfig
@@ -22,14 +22,14 @@ def loop() -> Iterator[LoopThread]:
     lt.stop()
 
 
-def make_runner(loop: LoopThread, engine: InstantEngine, store: FakeStore, events: FakeEvents) -> JobRunner:
+def make_runner(loop: LoopThread, engine: InstantEngine, store: FakeStore, streams: FakeStreams) -> JobRunner:
     return JobRunner(
         store,  # type: ignore[arg-type]
         engine,
         loop,
         ByteRenderer(),
         ResourceSampler(self_pid, None),
-        events,  # type: ignore[arg-type]
+        streams,  # type: ignore[arg-type]
         RunnerConfig(
             "w1", lease_seconds=30, max_attempts=3, job_timeout_seconds=30, system_fingerprint="fp_test"
         ),
@@ -41,7 +41,7 @@ def body(**fields) -> dict:
 
 
 def test_success_writes_completion_usage_and_stats(loop: LoopThread) -> None:
-    store, events = FakeStore(), FakeEvents()
+    store, events = FakeStore(), FakeStreams()
     store.add("job_1", body(max_tokens=5, n=2))
     runner = make_runner(loop, InstantEngine(), store, events)
     assert runner.run("job_1") == "succeeded"
@@ -57,7 +57,7 @@ def test_success_writes_completion_usage_and_stats(loop: LoopThread) -> None:
 
 
 def test_second_delivery_of_a_claimed_job_does_nothing(loop: LoopThread) -> None:
-    store, events = FakeStore(), FakeEvents()
+    store, events = FakeStore(), FakeStreams()
     store.add("job_1", body(max_tokens=2))
     runner = make_runner(loop, InstantEngine(), store, events)
     assert runner.run("job_1") == "succeeded"
@@ -66,7 +66,7 @@ def test_second_delivery_of_a_claimed_job_does_nothing(loop: LoopThread) -> None
 
 
 def test_prompt_over_context_fails_this_job_only(loop: LoopThread) -> None:
-    store, events = FakeStore(), FakeEvents()
+    store, events = FakeStore(), FakeStreams()
     store.add("job_long", body(messages=[{"role": "user", "content": "x" * 100}]))
     store.add("job_ok", body(max_tokens=1))
     runner = make_runner(loop, InstantEngine(context=50), store, events)
@@ -76,7 +76,7 @@ def test_prompt_over_context_fails_this_job_only(loop: LoopThread) -> None:
 
 
 def test_cancel_keeps_partial_text(loop: LoopThread) -> None:
-    store, events = FakeStore(), FakeEvents()
+    store, events = FakeStore(), FakeStreams()
     store.add("job_1", body(max_tokens=1000))
     runner = make_runner(loop, InstantEngine(delay=0.005), store, events)
     result: list[str | None] = []
@@ -95,7 +95,7 @@ def test_cancel_keeps_partial_text(loop: LoopThread) -> None:
 
 
 def test_write_refused_by_fence_reports_nothing(loop: LoopThread) -> None:
-    store, events = FakeStore(), FakeEvents()
+    store, events = FakeStore(), FakeStreams()
     store.add("job_1", body(max_tokens=200))
     runner = make_runner(loop, InstantEngine(delay=0.002), store, events)
     result: list[str | None] = []
@@ -112,7 +112,7 @@ def test_write_refused_by_fence_reports_nothing(loop: LoopThread) -> None:
 
 
 def test_release_all_hands_unfinished_jobs_back(loop: LoopThread) -> None:
-    store, events = FakeStore(), FakeEvents()
+    store, events = FakeStore(), FakeStreams()
     store.add("job_1", body(max_tokens=4000))
     runner = make_runner(loop, InstantEngine(delay=0.01), store, events)
     t = threading.Thread(target=runner.run, args=("job_1",))
@@ -123,3 +123,32 @@ def test_release_all_hands_unfinished_jobs_back(loop: LoopThread) -> None:
     assert runner.release_all(grace_seconds=0.05) == 1
     t.join(5)
     assert store.jobs["job_1"]["status"] == "queued"
+
+
+def test_stream_chunks_join_to_the_stored_text(loop: LoopThread) -> None:
+    store, streams = FakeStore(), FakeStreams()
+    store.add("job_1", body(max_tokens=10, n=2))
+    runner = make_runner(loop, InstantEngine(), store, streams)
+    assert runner.run("job_1") == "succeeded"
+    events = streams.shipped["job_1"]
+    chunks = [e["data"] for e in events if e["type"] == "chunk"]
+    assert [e["id"] for e in events] == [f"1-{i}" for i in range(1, len(events) + 1)]
+    assert events[-1]["type"] == "end" and events[-1]["usage"]["completion_tokens"] == 20
+    for index in (0, 1):
+        parts = [c for chunk in chunks for c in chunk["choices"] if c["index"] == index]
+        assert parts[0]["delta"]["role"] == "assistant"
+        assert sum(1 for p in parts if "role" in p["delta"]) == 1
+        assert parts[-1]["finish_reason"] == "length"
+        text = "".join(p["delta"].get("content", "") for p in parts)
+        assert text == store.jobs["job_1"]["response"]["choices"][index]["message"]["content"]
+    assert len({(c["id"], c["created"]) for c in chunks}) == 1
+    assert store.jobs["job_1"]["events"] == events
+
+
+def test_failed_job_ends_its_stream_with_the_error(loop: LoopThread) -> None:
+    store, streams = FakeStore(), FakeStreams()
+    store.add("job_long", body(messages=[{"role": "user", "content": "x" * 100}]))
+    runner = make_runner(loop, InstantEngine(context=50), store, streams)
+    assert runner.run("job_long") == "failed"
+    (end,) = streams.shipped["job_long"]
+    assert end["type"] == "end" and end["error"]["code"] == "context_length_exceeded"

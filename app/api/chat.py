@@ -1,0 +1,45 @@
+"""`POST /v1/chat/completions`, `/v2/chat/completions` (OpenAI-compatible, sync or SSE) and
+`/bench/chat/completions` (bench shape)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from flask import Blueprint, Response, jsonify, stream_with_context
+
+from app.api.deps import authenticate, json_body, principal, services
+from app.services.chat import ChatResult
+
+bp = Blueprint("chat", __name__)
+bp.before_request(authenticate)
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def sse_response(body: Iterator[str], job_id: str | None = None) -> Response:
+    response = Response(stream_with_context(body), mimetype="text/event-stream", headers=SSE_HEADERS)
+    if job_id:
+        response.headers["X-Llmq-Job-Id"] = job_id
+    return response
+
+
+def _reply(result: ChatResult) -> Response | tuple[Response, int]:
+    if result.stream is not None:
+        return sse_response(result.stream, result.job_id)
+    if result.pending is not None:
+        return jsonify(result.pending.model_dump(mode="json")), 202
+    response = jsonify(result.completion)
+    if result.job_id:
+        response.headers["X-Llmq-Job-Id"] = result.job_id
+    return response
+
+
+@bp.post("/v1/chat/completions")
+@bp.post("/v2/chat/completions")
+def chat_completions() -> Response | tuple[Response, int]:
+    return _reply(services().chat.complete(principal(), json_body()))
+
+
+@bp.post("/bench/chat/completions")
+def bench_chat_completions() -> Response | tuple[Response, int]:
+    return _reply(services().chat.complete(principal(), json_body(), bench=True))

@@ -1,0 +1,36 @@
+"""How the API is served: gunicorn with gevent workers.
+
+An SSE subscriber mostly waits; with gevent each one is a greenlet, not a thread blocked
+for the life of the stream, so one worker holds thousands of idle streams. Postgres
+(psycopg 3) and Redis (redis-py) both cooperate with gevent once it has patched the
+standard library, which the gevent worker does before the app is imported.
+"""
+
+from __future__ import annotations
+
+import sys
+
+APP = "app.api:create_app()"
+
+
+def gunicorn_argv(host: str, port: int, *, workers: int = 2, connections: int = 2000) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "gunicorn",
+        "--worker-class",
+        "gevent",
+        "--workers",
+        str(workers),
+        "--worker-connections",
+        str(connections),
+        "--bind",
+        f"{host}:{port}",
+        "--graceful-timeout",
+        "20",
+        "--timeout",
+        "120",
+        "--log-level",
+        "warning",
+        APP,
+    ]

@@ -1,0 +1,362 @@
+"""Reading a job's event log: SSE for live subscribers, the recorded stream, and waiting
+for a job's end.
+
+The backlog comes from the Redis Stream (or, once it has expired or was lost, from the
+events persisted with the job in Postgres); live events arrive through one shared pub/sub
+connection per process (`Notifier`), so an idle subscriber holds no Redis connection and,
+under gevent, no thread.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from redis import Redis
+from redis.exceptions import RedisError
+from sqlalchemy import select
+
+from app.db import Database
+from app.errors import NotFound
+from app.events import (
+    END_EVENT,
+    EventId,
+    end_event,
+    is_end_notification,
+    job_channel,
+    job_stream,
+    parse_event_id,
+)
+from app.models import Job, JobStatus
+from app.schemas.completion import RecordedStream
+from app.services.keys import Principal
+
+log = logging.getLogger("llmq.stream")
+
+HEARTBEAT = ": keep-alive\n\n"
+
+
+class Waiter:
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.ended = False
+
+    def notify(self, final: bool) -> None:
+        self.ended = self.ended or final
+        self._event.set()
+
+    def wait(self, timeout: float) -> bool:
+        fired = self._event.wait(timeout)
+        self._event.clear()
+        return fired
+
+
+class Notifier:
+    """One pub/sub connection for the whole process. Channels are subscribed while someone
+    watches them; a watcher is woken on every append to its job's log."""
+
+    def __init__(self, redis: Redis[bytes], *, poll_seconds: float = 0.05) -> None:
+        self._redis = redis
+        self._poll = poll_seconds
+        self._lock = threading.Lock()
+        self._waiters: dict[str, set[Waiter]] = {}
+        self._pending: list[tuple[str, str]] = []  # ("sub" | "unsub", channel)
+        self._confirmed: dict[str, threading.Event] = {}
+        self._thread: threading.Thread | None = None
+
+    def _ensure_started(self) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="llmq-notifier", daemon=True)
+                self._thread.start()
+
+    @contextmanager
+    def watch(self, job_id: str, timeout: float = 5.0) -> Iterator[Waiter]:
+        """Subscribed (confirmed by Redis) before the block starts, so nothing appended
+        after the caller's next read can be missed."""
+        self._ensure_started()
+        channel = job_channel(job_id)
+        waiter = Waiter()
+        with self._lock:
+            first = channel not in self._waiters
+            self._waiters.setdefault(channel, set()).add(waiter)
+            confirmed = self._confirmed.setdefault(channel, threading.Event())
+            if first:
+                self._pending.append(("sub", channel))
+        confirmed.wait(timeout)
+        try:
+            yield waiter
+        finally:
+            with self._lock:
+                watchers = self._waiters.get(channel)
+                if watchers is not None:
+                    watchers.discard(waiter)
+                    if not watchers:
+                        del self._waiters[channel]
+                        self._confirmed.pop(channel, None)
+                        self._pending.append(("unsub", channel))
+
+    def _loop(self) -> None:
+        while True:
+            pubsub = self._redis.pubsub()
+            try:
+                with self._lock:
+                    channels = list(self._waiters)
+                    self._pending.clear()
+                if channels:
+                    pubsub.subscribe(*channels)
+                self._wake_all()  # whatever happened while disconnected, look again
+                while True:
+                    self._apply_pending(pubsub)
+                    message = pubsub.get_message(timeout=self._poll)
+                    if message is not None:
+                        self._dispatch(message)
+            except RedisError as exc:
+                log.warning("notifier reconnecting", extra={"error": type(exc).__name__})
+                self._wake_all()
+                time.sleep(0.5)
+            finally:
+                pubsub.close()
+
+    def _apply_pending(self, pubsub: Any) -> None:
+        with self._lock:
+            ops, self._pending = self._pending, []
+        for op, channel in ops:
+            if op == "sub":
+                pubsub.subscribe(channel)
+            else:
+                pubsub.unsubscribe(channel)
+
+    def _dispatch(self, message: dict[str, Any]) -> None:
+        channel = message["channel"].decode() if isinstance(message["channel"], bytes) else message["channel"]
+        kind = message["type"]
+        with self._lock:
+            if kind == "subscribe":
+                confirmed = self._confirmed.get(channel)
+                if confirmed is not None:
+                    confirmed.set()
+                return
+            if kind != "message":
+                return
+            waiters = list(self._waiters.get(channel, ()))
+        final = is_end_notification(message["data"])
+        for waiter in waiters:
+            waiter.notify(final)
+
+    def _wake_all(self) -> None:
+        with self._lock:
+            waiters = [w for ws in self._waiters.values() for w in ws]
+            for confirmed in self._confirmed.values():
+                confirmed.set()
+        for waiter in waiters:
+            waiter.notify(False)
+
+
+@dataclass
+class JobView:
+    id: str
+    status: str
+    epoch: int
+    model: str
+    created: int
+    usage: dict[str, Any] | None
+    error: dict[str, Any] | None
+    events: list[dict[str, Any]] | None
+    include_usage: bool
+
+    @property
+    def terminal(self) -> bool:
+        return JobStatus(self.status).terminal
+
+
+_TERMINAL_ERRORS = {
+    JobStatus.CANCELLED.value: ("the job was cancelled", "cancelled", "job_cancelled"),
+    JobStatus.EXPIRED.value: ("the job expired before it finished", "expired", "job_expired"),
+}
+
+
+class StreamService:
+    def __init__(
+        self, db: Database, redis: Redis[bytes], notifier: Notifier, *, heartbeat_seconds: float = 15.0
+    ) -> None:
+        self._db = db
+        self._redis = redis
+        self._notifier = notifier
+        self._heartbeat = heartbeat_seconds
+
+    # --- reads -------------------------------------------------------------------------
+
+    def _view(self, principal: Principal, job_id: str) -> JobView:
+        with self._db.session() as s:
+            job = s.scalar(select(Job).where(Job.id == job_id, Job.tenant_id == principal.tenant_id))
+            if job is None:
+                raise NotFound(f"No job found with id '{job_id}'", param="job_id")
+            options = (job.request or {}).get("stream_options") or {}
+            return JobView(
+                id=job.id,
+                status=job.status,
+                epoch=job.epoch,
+                model=job.model,
+                created=int(job.created_at.timestamp()),
+                usage=job.usage,
+                error=(job.error or {}).get("error") if job.error else None,
+                events=job.events,
+                include_usage=bool(options.get("include_usage")),
+            )
+
+    def _from_redis(self, job_id: str, after: EventId | None) -> tuple[list[dict[str, Any]], bool]:
+        """Events after `after`, and whether the stream exists at all."""
+        key = job_stream(job_id)
+        start = f"({after}" if after else "-"
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.xrange(key, start, "+")
+        pipe.exists(key)
+        entries, exists = pipe.execute()
+        return [json.loads(fields[b"e"]) for _, fields in entries], bool(exists)
+
+    @staticmethod
+    def _from_postgres(view: JobView, after: EventId | None) -> list[dict[str, Any]]:
+        events = list(view.events or [])
+        if not events or events[-1].get("type") != END_EVENT:
+            error = _error_for(view)
+            events.append(end_event(view.epoch, view.status, error, view.usage))
+        return [e for e in events if after is None or _eid(e) > after]
+
+    # --- SSE -----------------------------------------------------------------------------
+
+    def open_stream(
+        self,
+        principal: Principal,
+        job_id: str,
+        last_event_id: str | None,
+        *,
+        include_usage: bool | None = None,
+    ) -> Iterator[str]:
+        """Validate now (404, bad Last-Event-ID), then return the SSE body generator."""
+        view = self._view(principal, job_id)
+        cursor = parse_event_id(last_event_id)
+        usage_wanted = view.include_usage if include_usage is None else include_usage
+        return self._sse(principal, view, cursor, usage_wanted)
+
+    def _sse(
+        self, principal: Principal, view: JobView, cursor: EventId | None, include_usage: bool
+    ) -> Iterator[str]:
+        with self._notifier.watch(view.id) as waiter:
+            epoch = cursor.epoch if cursor else None
+            from_postgres = False
+            while True:
+                events: list[dict[str, Any]] = []
+                if not from_postgres:
+                    try:
+                        events, exists = self._from_redis(view.id, cursor)
+                    except RedisError:
+                        events, exists = [], False
+                    from_postgres = not events and not exists
+                if from_postgres:
+                    view = self._view(principal, view.id)
+                    events = self._from_postgres(view, cursor) if view.terminal else []
+                    from_postgres = False
+                for event in events:
+                    eid = _eid(event)
+                    if epoch is not None and eid.epoch > epoch and event.get("type") != END_EVENT:
+                        yield from _restarted(eid)
+                        return
+                    epoch, cursor = eid.epoch, eid
+                    if event.get("type") == END_EVENT:
+                        yield from self._final(view, event, include_usage)
+                        return
+                    yield _sse(event["data"], str(eid))
+                if events:
+                    continue
+                if not waiter.wait(self._heartbeat):
+                    yield HEARTBEAT
+                    # Quiet for a whole heartbeat: if the job ended without its end event
+                    # reaching Redis, Postgres has the rest.
+                    from_postgres = self._view(principal, view.id).terminal
+
+    def _final(self, view: JobView, event: dict[str, Any], include_usage: bool) -> Iterator[str]:
+        eid = str(event["id"])
+        if include_usage and event.get("usage"):
+            chunk = {
+                "id": "chatcmpl-" + view.id.removeprefix("job_"),
+                "object": "chat.completion.chunk",
+                "created": view.created,
+                "model": view.model,
+                "choices": [],
+                "usage": event["usage"],
+            }
+            yield _sse(chunk, eid)
+        error = event.get("error") or _error_for_status(event.get("status", ""))
+        if error:
+            yield _sse({"error": error}, eid)
+        yield "data: [DONE]\n\n"
+
+    # --- recorded stream and waiting -----------------------------------------------------
+
+    def recorded(self, principal: Principal, job_id: str) -> dict[str, Any]:
+        """Seed 002's shape: every chunk so far, and the usage once the job has ended."""
+        view = self._view(principal, job_id)
+        if view.terminal:
+            events = self._from_postgres(view, None)
+        else:
+            events, _ = self._from_redis(job_id, None)
+        chunks = [e["data"] for e in events if e.get("type") == "chunk"]
+        recorded = RecordedStream.model_validate(
+            {"events": chunks, "usage": view.usage if view.terminal else None}
+        )
+        return recorded.model_dump(mode="json")
+
+    def wait_for_end(self, principal: Principal, job_id: str, timeout: float) -> bool:
+        """True once the job is terminal; False if `timeout` passed first. Waits on the
+        notifier; Postgres is asked only on an end notification or once a heartbeat."""
+        deadline = time.monotonic() + timeout
+        with self._notifier.watch(job_id) as waiter:
+            while True:
+                if self._view(principal, job_id).terminal:
+                    return True
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                waiter.wait(min(left, self._heartbeat))
+                while not waiter.ended and (left := deadline - time.monotonic()) > 0:
+                    if not waiter.wait(min(left, self._heartbeat)):
+                        break
+
+
+def _eid(event: dict[str, Any]) -> EventId:
+    parsed = parse_event_id(str(event["id"]))
+    assert parsed is not None
+    return parsed
+
+
+def _sse(data: dict[str, Any], event_id: str) -> str:
+    return f"id: {event_id}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+def _restarted(eid: EventId) -> Iterator[str]:
+    error = {
+        "message": "the job was restarted after a worker failure; reconnect without Last-Event-ID "
+        "to receive the new attempt from its start",
+        "type": "stream_restarted",
+        "param": None,
+        "code": "stream_restarted",
+    }
+    yield f"id: {eid}\ndata: {json.dumps({'error': error})}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+def _error_for_status(status: str) -> dict[str, Any] | None:
+    if status in _TERMINAL_ERRORS:
+        message, kind, code = _TERMINAL_ERRORS[status]
+        return {"message": message, "type": kind, "param": None, "code": code}
+    return None
+
+
+def _error_for(view: JobView) -> dict[str, Any] | None:
+    return view.error or _error_for_status(view.status)

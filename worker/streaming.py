@@ -1,0 +1,289 @@
+"""Token chunks to Redis: coalesced per job, shipped by one thread in pipelined round trips.
+
+Each job's events go to the Redis Stream `llmq:events:<job_id>` with explicit ids
+`<epoch>-<seq>` (so ids grow across attempts and double as SSE ids), and each append is
+announced on the pub/sub channel `llmq:job:<job_id>`. Deltas are coalesced: one event per
+`flush_tokens` tokens or `flush_seconds`, so Redis work grows with streams, not tokens.
+
+The worker keeps every event of a running job; if Redis restarts (and loses the stream),
+the publisher writes the whole history again once it reconnects.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from redis import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from app.events import END_EVENT, job_channel, job_stream, notification
+from worker.engine import ChoiceDelta, EngineUpdate
+
+log = logging.getLogger("llmq.stream")
+
+
+@dataclass
+class _Pending:
+    """What one choice produced since the last flush."""
+
+    text: list[str] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    finish_reason: str | None = None
+    started: bool = False
+
+
+class JobStream:
+    """One job's chunk events. Fed on the engine's loop thread; never blocks on Redis."""
+
+    def __init__(
+        self,
+        publisher: StreamPublisher,
+        job_id: str,
+        epoch: int,
+        header: dict[str, Any],
+        *,
+        n: int,
+        logprobs: bool,
+    ) -> None:
+        self._publisher = publisher
+        self.job_id = job_id
+        self.epoch = epoch
+        self._header = header  # id, created, model, system_fingerprint
+        self._pending = [_Pending() for _ in range(n)]
+        self._logprobs = logprobs
+        self._seq = 0
+        self._buffered_tokens = 0
+        self._last_flush = time.monotonic()
+        self.events: list[dict[str, Any]] = []
+        self.first_event_at: float | None = None
+
+    def _next_id(self) -> str:
+        self._seq += 1
+        return f"{self.epoch}-{self._seq}"
+
+    def add(self, update: EngineUpdate) -> None:
+        for delta in update.deltas:
+            self._take(delta)
+        now = time.monotonic()
+        finishing = any(d.finish_reason for d in update.deltas)
+        if (
+            finishing
+            or self._buffered_tokens >= self._publisher.flush_tokens
+            or now - self._last_flush >= self._publisher.flush_seconds
+        ):
+            self.flush()
+
+    def _take(self, delta: ChoiceDelta) -> None:
+        pending = self._pending[delta.index]
+        if delta.text:
+            pending.text.append(delta.text)
+        if delta.logprobs and self._logprobs:
+            pending.logprobs.extend(_logprob_entry(lp) for lp in delta.logprobs)
+        if delta.finish_reason is not None:
+            pending.finish_reason = "stop" if delta.finish_reason == "abort" else delta.finish_reason
+        self._buffered_tokens += len(delta.token_ids)
+
+    def flush(self) -> None:
+        """Turn buffered deltas into one chunk event (if there is anything to say)."""
+        choices = []
+        for index, pending in enumerate(self._pending):
+            if not pending.text and pending.finish_reason is None:
+                continue
+            delta: dict[str, Any] = {}
+            if not pending.started:
+                delta["role"] = "assistant"
+                pending.started = True
+            delta["content"] = "".join(pending.text)
+            if pending.finish_reason is not None and not delta["content"] and "role" not in delta:
+                delta = {}
+            choices.append(
+                {
+                    "index": index,
+                    "delta": delta,
+                    "logprobs": {"content": pending.logprobs} if pending.logprobs else None,
+                    "finish_reason": pending.finish_reason,
+                }
+            )
+            self._pending[index] = _Pending(started=True)
+        self._buffered_tokens = 0
+        self._last_flush = time.monotonic()
+        if not choices:
+            return
+        chunk = {
+            "id": self._header["id"],
+            "object": "chat.completion.chunk",
+            "created": self._header["created"],
+            "model": self._header["model"],
+            "system_fingerprint": self._header.get("system_fingerprint"),
+            "choices": choices,
+            "usage": None,
+        }
+        self._emit({"type": "chunk", "data": chunk})
+
+    def end_event(
+        self, status: str, *, usage: dict[str, Any] | None, error: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        """The terminal event, with its id; recorded (to persist with the result), but
+        shipped only by `publish_end`, after the result is safely in Postgres."""
+        self.flush()
+        event = {"id": self._next_id(), "type": END_EVENT, "status": status, "usage": usage, "error": error}
+        self.events.append(event)
+        return event
+
+    def publish_end(self, event: dict[str, Any]) -> None:
+        self._publisher.submit(self.job_id, event, final=True)
+
+    def _emit(self, body: dict[str, Any]) -> None:
+        event = {"id": self._next_id(), **body}
+        if self.first_event_at is None:
+            self.first_event_at = time.monotonic()
+        self.events.append(event)
+        self._publisher.submit(self.job_id, event)
+
+
+def _logprob_entry(lp: Any) -> dict[str, Any]:
+    return {
+        "token": lp.token,
+        "logprob": lp.logprob,
+        "bytes": lp.token_bytes,
+        "top_logprobs": [{"token": t, "logprob": p, "bytes": b} for t, p, b in lp.top],
+    }
+
+
+class StreamPublisher:
+    """The one thread that writes job events to Redis."""
+
+    def __init__(
+        self,
+        redis: Redis[bytes],
+        *,
+        flush_tokens: int = 8,
+        flush_seconds: float = 0.04,
+        max_len: int = 100_000,
+        expire_seconds: int = 3600,
+    ) -> None:
+        self._redis = redis
+        self.flush_tokens = flush_tokens
+        self.flush_seconds = flush_seconds
+        self._max_len = max_len
+        self._expire = expire_seconds
+        self._queue: queue.SimpleQueue[tuple[str, dict[str, Any], bool] | None] = queue.SimpleQueue()
+        self._history: dict[str, list[dict[str, Any]]] = {}
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._loop, name="llmq-stream-publisher", daemon=True)
+        self.published = 0
+
+    def open(
+        self, job_id: str, epoch: int, header: dict[str, Any], *, n: int = 1, logprobs: bool = False
+    ) -> JobStream:
+        """A new attempt starts a clean log: an older attempt's events are dropped."""
+        with self._lock:
+            self._history[job_id] = []
+        self._queue.put((job_id, {"reset": True}, False))
+        return JobStream(self, job_id, epoch, header, n=n, logprobs=logprobs)
+
+    def submit(self, job_id: str, event: dict[str, Any], *, final: bool = False) -> None:
+        with self._lock:
+            history = self._history.get(job_id)
+            if history is not None:
+                history.append(event)
+        self._queue.put((job_id, event, final))
+
+    def discard(self, job_id: str) -> None:
+        """Forget a job whose result was refused by the fence (another worker owns it)."""
+        with self._lock:
+            self._history.pop(job_id, None)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def _drain(
+        self, first: tuple[str, dict[str, Any], bool]
+    ) -> tuple[list[tuple[str, dict[str, Any], bool]], bool]:
+        batch = [first]
+        stopping = False
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is None:
+                stopping = True
+                break
+            batch.append(item)
+        return batch, stopping
+
+    def _loop(self) -> None:
+        stopping = False
+        while not stopping:
+            item = self._queue.get()
+            if item is None:
+                return
+            batch, stopping = self._drain(item)
+            self._ship_with_retry(batch)
+
+    def _ship_with_retry(self, batch: list[tuple[str, dict[str, Any], bool]]) -> None:
+        delay = 0.2
+        lost_connection = False
+        while True:
+            try:
+                if lost_connection:
+                    self._restore([job_id for job_id, _, _ in batch])
+                self._ship(batch)
+                return
+            except (RedisConnectionError, RedisTimeoutError) as exc:
+                lost_connection = True
+                log.warning("redis unavailable; stream events held", extra={"error": type(exc).__name__})
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    def _ship(self, batch: list[tuple[str, dict[str, Any], bool]]) -> None:
+        pipe = self._redis.pipeline(transaction=False)
+        for job_id, event, final in batch:
+            key = job_stream(job_id)
+            if event.get("reset"):
+                pipe.delete(key)
+                continue
+            pipe.xadd(key, {"e": json.dumps(event)}, id=event["id"], maxlen=self._max_len, approximate=True)
+            pipe.publish(job_channel(job_id), notification(event["id"], final=final))
+            if final:
+                pipe.expire(key, self._expire)
+        for result in pipe.execute(raise_on_error=False):
+            if isinstance(result, ResponseError):
+                # An id at or below the stream's last one: this attempt was superseded (a
+                # newer attempt or an external end event owns the log). Drop, never retry.
+                log.info("stale stream event dropped", extra={"error": str(result)})
+        self.published += len(batch)
+        for job_id, _, final in batch:
+            if final:
+                with self._lock:
+                    self._history.pop(job_id, None)
+
+    def _restore(self, job_ids: list[str]) -> None:
+        """After a reconnect, rewrite the full log of every job still running here: a
+        Redis restart loses streams, and a client resuming mid-stream must find them."""
+        with self._lock:
+            snapshot = {j: list(events) for j, events in self._history.items()}
+        pending_ids = {id(e) for j in job_ids for e in snapshot.get(j, [])}
+        pipe = self._redis.pipeline(transaction=False)
+        for job_id, events in snapshot.items():
+            key = job_stream(job_id)
+            pipe.delete(key)
+            for event in events:
+                if id(event) in pending_ids:
+                    continue  # about to be shipped by the batch itself
+                pipe.xadd(key, {"e": json.dumps(event)}, id=event["id"])
+        pipe.execute(raise_on_error=False)
+        log.info("stream logs restored after reconnect", extra={"jobs": len(snapshot)})
