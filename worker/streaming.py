@@ -142,7 +142,8 @@ class JobStream:
         self._publisher.submit(self.job_id, event, final=True)
 
     def _emit(self, body: dict[str, Any]) -> None:
-        event = {"id": self._next_id(), **body}
+        # `t`: when the worker produced it (wall clock), for measuring delivery (bench B5).
+        event = {"id": self._next_id(), "t": round(time.time(), 4), **body}
         if self.first_event_at is None:
             self.first_event_at = time.monotonic()
         self.events.append(event)
@@ -156,6 +157,18 @@ def _logprob_entry(lp: Any) -> dict[str, Any]:
         "bytes": lp.token_bytes,
         "top_logprobs": [{"token": t, "logprob": p, "bytes": b} for t, p, b in lp.top],
     }
+
+
+# Append one event unless the stream should exist and does not (Redis restarted and lost
+# it): then answer 0 and append nothing, so no reader ever sees a log with a hole in it.
+# KEYS: stream, channel. ARGV: id, payload, maxlen, must_exist, notification, expire.
+_APPEND = """
+if ARGV[4] == '1' and redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[3], ARGV[1], 'e', ARGV[2])
+redis.call('PUBLISH', KEYS[2], ARGV[5])
+if ARGV[6] ~= '0' then redis.call('EXPIRE', KEYS[1], ARGV[6]) end
+return 1
+"""
 
 
 class StreamPublisher:
@@ -179,6 +192,7 @@ class StreamPublisher:
         self._history: dict[str, list[dict[str, Any]]] = {}
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="llmq-stream-publisher", daemon=True)
+        self._append = redis.register_script(_APPEND)
         self.published = 0
 
     def open(
@@ -236,54 +250,70 @@ class StreamPublisher:
 
     def _ship_with_retry(self, batch: list[tuple[str, dict[str, Any], bool]]) -> None:
         delay = 0.2
-        lost_connection = False
         while True:
             try:
-                if lost_connection:
-                    self._restore([job_id for job_id, _, _ in batch])
                 self._ship(batch)
                 return
             except (RedisConnectionError, RedisTimeoutError) as exc:
-                lost_connection = True
                 log.warning("redis unavailable; stream events held", extra={"error": type(exc).__name__})
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
 
     def _ship(self, batch: list[tuple[str, dict[str, Any], bool]]) -> None:
         pipe = self._redis.pipeline(transaction=False)
+        appended: list[tuple[str, bool]] = []
         for job_id, event, final in batch:
             key = job_stream(job_id)
             if event.get("reset"):
                 pipe.delete(key)
                 continue
-            pipe.xadd(key, {"e": json.dumps(event)}, id=event["id"], maxlen=self._max_len, approximate=True)
-            pipe.publish(job_channel(job_id), notification(event["id"], final=final))
-            if final:
-                pipe.expire(key, self._expire)
-        for result in pipe.execute(raise_on_error=False):
+            first = event["id"].endswith("-1")
+            self._append(
+                keys=[key, job_channel(job_id)],
+                args=[
+                    event["id"],
+                    json.dumps(event),
+                    self._max_len,
+                    "0" if first else "1",
+                    notification(event["id"], final=final),
+                    self._expire if final else 0,
+                ],
+                client=pipe,
+            )
+            appended.append((job_id, final))
+        results = pipe.execute(raise_on_error=False)
+        outcomes = [r for (_, event, _), r in zip(batch, results, strict=True) if not event.get("reset")]
+        lost: set[str] = set()
+        for (job_id, _final), result in zip(appended, outcomes, strict=True):
             if isinstance(result, ResponseError):
                 # An id at or below the stream's last one: this attempt was superseded (a
                 # newer attempt or an external end event owns the log). Drop, never retry.
-                log.info("stale stream event dropped", extra={"error": str(result)})
+                log.info("stale stream event dropped", extra={"job_id": job_id, "error": str(result)})
+            elif isinstance(result, Exception):
+                raise result
+            elif result == 0:
+                lost.add(job_id)
+        if lost:
+            self._restore(lost)
         self.published += len(batch)
-        for job_id, _, final in batch:
+        for job_id, final in appended:
             if final:
                 with self._lock:
                     self._history.pop(job_id, None)
 
-    def _restore(self, job_ids: list[str]) -> None:
-        """After a reconnect, rewrite the full log of every job still running here: a
-        Redis restart loses streams, and a client resuming mid-stream must find them."""
+    def _restore(self, job_ids: set[str]) -> None:
+        """The stream was gone when its next event came (Redis restarted without its data):
+        write the attempt's whole log again, so a client resuming mid-stream finds it."""
         with self._lock:
-            snapshot = {j: list(events) for j, events in self._history.items()}
-        pending_ids = {id(e) for j in job_ids for e in snapshot.get(j, [])}
+            snapshot = {j: list(self._history.get(j, [])) for j in job_ids}
         pipe = self._redis.pipeline(transaction=False)
         for job_id, events in snapshot.items():
+            if not events:
+                continue
             key = job_stream(job_id)
             pipe.delete(key)
             for event in events:
-                if id(event) in pending_ids:
-                    continue  # about to be shipped by the batch itself
                 pipe.xadd(key, {"e": json.dumps(event)}, id=event["id"])
+            pipe.publish(job_channel(job_id), events[-1]["id"])
         pipe.execute(raise_on_error=False)
-        log.info("stream logs restored after reconnect", extra={"jobs": len(snapshot)})
+        log.warning("stream logs rebuilt after Redis lost them", extra={"jobs": len(snapshot)})

