@@ -46,6 +46,9 @@ class Settings(BaseSettings):
     enforce_eager: bool | None = Field(
         default=None, description="Skip graph capture/compilation; default: on for CPU, off for GPU."
     )
+    pin_engine_core: bool = Field(
+        default=True, description="On CPU, run vLLM's spinning engine core on the model's cores."
+    )
     max_inflight: int | None = Field(
         default=None, ge=1, description="Jobs in flight per worker; default 2 x max_num_seqs."
     )

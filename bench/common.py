@@ -52,7 +52,7 @@ def service(model: str, served_name: str, **env: str) -> Iterator[Stack]:
         stack.stop()
 
 
-def submit_all(stack: Stack, bodies: list[dict[str, Any]], threads: int = 8) -> list[str]:
+def submit_all(stack: Stack, bodies: list[dict[str, Any]], threads: int = 64) -> list[str]:
     with httpx.Client(base_url=stack.base_url, headers={"Authorization": f"Bearer {stack.api_key}"}) as c:
 
         def one(body: dict[str, Any]) -> str:

@@ -16,7 +16,7 @@ from bench.common import RESULTS, ROOT
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", default="B1,B2", help="comma-separated benchmark ids")
+    p.add_argument("--only", default="B1,B2,B5", help="comma-separated benchmark ids")
     p.add_argument("--model", default=str(ROOT / ".test-models" / "tiny"), help="model folder for B1")
     p.add_argument("--b1-requests", type=int, default=64)
     p.add_argument("--b1-max-tokens", type=int, default=256)
@@ -32,6 +32,13 @@ def main() -> None:
         from bench import b2_overhead
 
         results.append(b2_overhead.run(a.b2_lines))
+    if "B5" in wanted:
+        from bench import b5_stream
+
+        b5 = b5_stream.run(a.model)
+        results.append(
+            {"id": "B5", **b5["summary"], "idle": b5["idle_streams"]["holding"], "goal": b5["goal"]}
+        )
     print()
     print(f"{'id':<4} {'figure':<44} {'goal':<34}")
     for r in results:

@@ -76,6 +76,7 @@ class JobStream:
         finishing = any(d.finish_reason for d in update.deltas)
         if (
             finishing
+            or self.first_event_at is None  # the first token goes out at once: time to first chunk
             or self._buffered_tokens >= self._publisher.flush_tokens
             or now - self._last_flush >= self._publisher.flush_seconds
         ):

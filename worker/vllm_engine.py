@@ -7,8 +7,10 @@ as deltas, so each update costs only the new tokens.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -41,7 +43,7 @@ class VllmEngine:
         s = self._settings
         on_cpu = bool(current_platform.is_cpu())
         if on_cpu:
-            # Read by the engine core process, which inherits this environment.
+            # Read by the engine processes, which inherit this environment.
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{s.kv_cache_space_gib:g}")
         # On CPU, bfloat16 kernels cost small models their accuracy (SmolLM2-135M answers
         # "What is the capital of France?" with nonsense in bf16, with Paris in fp32).
@@ -65,6 +67,8 @@ class VllmEngine:
             enable_prefix_caching=True,
         )
         self._llm = AsyncLLM.from_engine_args(args, usage_context=UsageContext.ENGINE_CONTEXT)
+        if on_cpu and s.pin_engine_core:
+            _pin_engine_core()
 
     async def generate(self, spec: GenerationSpec) -> AsyncIterator[EngineUpdate]:
         from vllm import SamplingParams
@@ -107,16 +111,20 @@ class VllmEngine:
         worker process was seen lingering after its engine core exited)."""
         if self._llm is None:
             return
-        children = psutil.Process().children(recursive=True)
+        children = [p for p in psutil.Process().children(recursive=True) if not _is_resource_tracker(p)]
         self._llm.shutdown()
         self._llm = None
-        _, alive = psutil.wait_procs(children, timeout=10)
-        for proc in alive:
-            log.warning("engine process still running after shutdown; terminating", extra={"pid": proc.pid})
-            proc.terminate()
-        _, alive = psutil.wait_procs(alive, timeout=5)
-        for proc in alive:
-            proc.kill()
+        for sig_name, grace in (("terminate", 10.0), ("kill", 5.0)):
+            alive = _wait_gone(children, grace)
+            if not alive:
+                return
+            for proc in alive:
+                log.warning(
+                    "engine process still running after shutdown", extra={"pid": proc.pid, "action": sig_name}
+                )
+                with contextlib.suppress(psutil.Error):
+                    getattr(proc, sig_name)()
+        _wait_gone(children, 5.0)
 
     def process_ids(self) -> list[int]:
         """The engine core runs in child processes of this one."""
@@ -130,6 +138,52 @@ class VllmEngine:
 
     def tokenizer(self) -> Any:
         return self._llm.get_tokenizer()
+
+
+def _pin_engine_core() -> None:
+    """Put the engine core process on the model worker's cores.
+
+    vLLM's CPU backend binds the model to some cores and leaves the rest to everything else;
+    its engine core process, though, waits for model outputs by spinning (sched_yield) and
+    takes a whole core from the API, Redis and this worker's threads. On the model's cores
+    it yields to the model instead: measured here, engine throughput -6 %, SSE delivery lag
+    from ~200 ms to a few ms on a 2-core machine.
+    """
+    procs = psutil.Process().children(recursive=True)
+    named = {p: " ".join(p.cmdline()) for p in procs}
+    model_cores = next((p.cpu_affinity() for p, name in named.items() if "VLLM::Worker" in name), None)
+    if not model_cores:
+        return
+    for proc, name in named.items():
+        if "EngineCore" in name:
+            with contextlib.suppress(psutil.Error):
+                proc.cpu_affinity(model_cores)
+                log.info("engine core pinned to the model's cores", extra={"cores": model_cores})
+
+
+def _is_resource_tracker(proc: psutil.Process) -> bool:
+    """multiprocessing's resource tracker exits by itself once this process does."""
+    try:
+        return "resource_tracker" in " ".join(proc.cmdline())
+    except psutil.Error:
+        return True
+
+
+def _wait_gone(procs: list[psutil.Process], seconds: float) -> list[psutil.Process]:
+    """Poll (psutil's waits were seen to hang on grandchildren) until `procs` exit."""
+    deadline = time.monotonic() + seconds
+    alive = procs
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.1)
+        alive = [p for p in alive if _running(p)]
+    return alive
+
+
+def _running(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def _delta(output: Any) -> ChoiceDelta:

@@ -1,0 +1,163 @@
+"""B5 stream overhead: what an SSE client sees against what the engine produced.
+
+For 1, 16 and 64 concurrent streams (`stream: true` on /v1/chat/completions, tiny model):
+- added time to first chunk = the client's time to first chunk − the engine's own time to
+  first token (from the job's generation stats), so it holds API, queue, claim and delivery;
+- delivery lag = when a chunk reached the client − when the worker produced it (each event
+  carries the worker's production time `t`, persisted with the job);
+- inter-chunk gap at the client against the gap between productions in the worker.
+Goal: p99 added ≤ 20 ms. Also: 1,000 idle streams held open by one API, with its thread
+count and memory (gevent workers: a greenlet per stream, not a thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import time
+from typing import Any
+
+import httpx
+import psutil
+from sqlalchemy import text
+
+from app.db import Database
+from bench.common import save, service
+
+
+def pct(values: list[float], p: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
+
+
+async def one_stream(client: httpx.AsyncClient, model: str, max_tokens: int) -> dict[str, Any]:
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "stream please"}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    sent = time.time()
+    arrivals: list[tuple[str, float]] = []
+    async with client.stream("POST", "/v1/chat/completions", json=body, timeout=300) as r:
+        job_id = r.headers["X-Llmq-Job-Id"]
+        event_id = None
+        async for line in r.aiter_lines():
+            if line.startswith("id:"):
+                event_id = line[3:].strip()
+            elif line.startswith("data:") and line[5:].strip() != "[DONE]" and event_id:
+                arrivals.append((event_id, time.time()))
+    return {"job_id": job_id, "sent": sent, "arrivals": arrivals}
+
+
+def measure(results: list[dict[str, Any]], db: Database) -> dict[str, float]:
+    ids = [r["job_id"] for r in results]
+    with db.session() as s:
+        rows = {
+            r.id: r
+            for r in s.execute(
+                text("SELECT id, events, generation_stats FROM jobs WHERE id = ANY(:ids)"), {"ids": ids}
+            )
+        }
+    added_ttfc, lag, client_gap, worker_gap = [], [], [], []
+    for result in results:
+        row = rows[result["job_id"]]
+        produced = {e["id"]: e["t"] for e in row.events if e.get("type") == "chunk"}
+        stats = row.generation_stats
+        engine_ttft = stats["prompt_tokens"] / stats["prompt_tps"] if stats["prompt_tps"] else 0.0
+        chunks = [(eid, t) for eid, t in result["arrivals"] if eid in produced]
+        if not chunks:
+            continue
+        added_ttfc.append((chunks[0][1] - result["sent"] - engine_ttft) * 1e3)
+        lag.extend((t - produced[eid]) * 1e3 for eid, t in chunks)
+        client_gap.extend((b[1] - a[1]) * 1e3 for a, b in itertools.pairwise(chunks))
+        worker_gap.extend((produced[b[0]] - produced[a[0]]) * 1e3 for a, b in itertools.pairwise(chunks))
+    return {
+        "added_ttfc_p50_ms": round(pct(added_ttfc, 50), 2),
+        "added_ttfc_p99_ms": round(pct(added_ttfc, 99), 2),
+        "delivery_lag_p50_ms": round(pct(lag, 50), 2),
+        "delivery_lag_p99_ms": round(pct(lag, 99), 2),
+        "client_gap_p50_ms": round(pct(client_gap, 50), 2),
+        "worker_gap_p50_ms": round(pct(worker_gap, 50), 2),
+        "gap_added_p99_ms": round(pct(client_gap, 99) - pct(worker_gap, 99), 2),
+    }
+
+
+async def streams_at(url: str, key: str, model: str, n: int, max_tokens: int) -> list[dict[str, Any]]:
+    limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8)
+    async with httpx.AsyncClient(
+        base_url=url, headers={"Authorization": f"Bearer {key}"}, limits=limits
+    ) as c:
+        return list(await asyncio.gather(*(one_stream(c, model, max_tokens) for _ in range(n))))
+
+
+async def idle_streams(url: str, key: str, model: str, n: int, api_pid: int) -> dict[str, Any]:
+    """Open `n` streams on queued jobs (no worker runs them), hold them, and read the API's
+    threads and memory while they are open."""
+    limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8)
+    async with httpx.AsyncClient(
+        base_url=url, headers={"Authorization": f"Bearer {key}"}, limits=limits, timeout=60
+    ) as c:
+        body = {"model": model, "messages": [{"role": "user", "content": "wait"}], "max_tokens": 4}
+        jobs = [
+            r.json()["id"] for r in await asyncio.gather(*(c.post("/v2/jobs", json=body) for _ in range(n)))
+        ]
+        streams = [c.stream("GET", f"/v2/jobs/{job_id}/stream") for job_id in jobs]
+        responses = await asyncio.gather(*(cm.__aenter__() for cm in streams))
+        opened = sum(r.status_code == 200 for r in responses)
+        await asyncio.sleep(3)
+        figures = api_figures(api_pid)
+        for cm in streams:
+            await cm.__aexit__(None, None, None)
+        return {"opened": opened, **figures}
+
+
+def api_figures(pid: int) -> dict[str, float]:
+    proc = psutil.Process(pid)
+    workers = proc.children()
+    return {
+        "api_threads": sum(w.num_threads() for w in workers),
+        "api_rss_mb": round(sum(w.memory_info().rss for w in workers) / 2**20, 1),
+    }
+
+
+def run(
+    model: str, levels: tuple[int, ...] = (1, 16, 64), max_tokens: int = 128, idle: int = 1000
+) -> dict[str, Any]:
+    served = "bench-b5"
+    out: dict[str, Any] = {"id": "B5", "goal": "p99 added <= 20 ms"}
+    with service(model, served) as stack:
+        db = Database.from_url(stack.env["LLMQ_DATABASE_URL"], pool_size=1)
+        asyncio.run(streams_at(stack.base_url, stack.api_key, served, 1, 8))  # warm-up
+        for n in levels:
+            results = asyncio.run(streams_at(stack.base_url, stack.api_key, served, n, max_tokens))
+            out[f"n{n}"] = measure(results, db)
+        db.dispose()
+        worker = stack.procs["worker"]
+        worker.terminate()
+        worker.wait(60)
+        out["idle_streams"] = {
+            "at_rest": api_figures(stack.procs["api"].pid),
+            "holding": asyncio.run(
+                idle_streams(stack.base_url, stack.api_key, served, idle, stack.procs["api"].pid)
+            ),
+        }
+    out["summary"] = {
+        f"n{n}": "TTFC +{added_ttfc_p99_ms} ms p99, delivery lag {delivery_lag_p99_ms} ms p99".format(
+            **out[f"n{n}"]
+        )
+        for n in levels
+    }
+    save("b5", out)
+    print(json.dumps(out, indent=2))
+    return out
+
+
+if __name__ == "__main__":
+    import sys
+
+    run(sys.argv[1] if len(sys.argv) > 1 else ".test-models/tiny")
