@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from redis import Redis
 
 from app.db import Database
 from app.events import JobEvents
 from app.queue import JobQueue, create_producer
+from app.schemas.chat import ChatCompletionV2Request
 from app.services.chat import ChatService
 from app.services.contract import RequestPolicy
 from app.services.health import HealthService
@@ -44,6 +48,26 @@ def redis_client(url: str) -> Redis[bytes]:
     return Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5, health_check_interval=30)
 
 
+def prompt_counter(settings: Settings) -> tuple[Callable[[ChatCompletionV2Request], int] | None, int | None]:
+    """Token counting with the model's own tokenizer and template, when the model is a
+    local folder (and counting is on): (count, context length)."""
+    folder = Path(settings.model) if settings.model else None
+    if not settings.api_counts_prompt_tokens or folder is None or not (folder / "config.json").is_file():
+        return None, None
+    from app.services.prompts import ChatRenderer
+    from app.services.tools import plan_tools
+
+    renderer = ChatRenderer.load(str(folder))
+    context = settings.max_model_len or json.loads((folder / "config.json").read_text()).get(
+        "max_position_embeddings"
+    )
+
+    def count(req: ChatCompletionV2Request) -> int:
+        return len(renderer.render(req, plan_tools(req, auto_parser=settings.tool_call_parser)))
+
+    return count, int(context) if context else None
+
+
 def build_services(settings: Settings, *, db_pool_size: int = 10) -> Services:
     db = Database.from_url(settings.require_database_url(), pool_size=db_pool_size)
     redis = redis_client(settings.require_redis_url())
@@ -51,11 +75,12 @@ def build_services(settings: Settings, *, db_pool_size: int = 10) -> Services:
     events = JobEvents(redis)
     served = frozenset({settings.model_name})
     keys = KeyService(db)
+    count, context = prompt_counter(settings)
     jobs = JobService(
         db,
         queue,
         events,
-        RequestPolicy(settings, served),
+        RequestPolicy(settings, served, count_prompt=count, max_model_len=context),
         cancel_wait_seconds=settings.cancel_wait_seconds,
     )
     streams = StreamService(db, redis, Notifier(redis), heartbeat_seconds=settings.sse_heartbeat_seconds)

@@ -61,6 +61,22 @@ class Settings(BaseSettings):
     max_json_depth: int = Field(default=64, ge=4)
     max_stop_sequences: int = 4
 
+    # Templates and tools.
+    allow_custom_chat_template: bool = Field(
+        default=False,
+        description="Render user `chat_template`s (in a sandbox process) instead of refusing them.",
+    )
+    max_chat_template_bytes: int = Field(default=64 * 1024, ge=1)
+    chat_template_timeout_seconds: float = Field(default=2.0, gt=0)
+    tool_call_parser: str | None = Field(
+        default=None,
+        description="vLLM tool parser for `tool_choice: auto` (e.g. hermes); unset refuses auto.",
+    )
+    api_counts_prompt_tokens: bool = Field(
+        default=True,
+        description="Count prompt tokens in the API (400 before queuing) when the model is local.",
+    )
+
     # Auth.
     bootstrap_api_key: str | None = Field(
         default=None, description="Registered for the default tenant at start-up."

@@ -83,11 +83,17 @@ class Engine(Protocol):
 
     def max_model_len(self) -> int: ...
 
+    def extract_tool_calls(
+        self, text: str, request: dict[str, Any]
+    ) -> tuple[str | None, list[dict[str, Any]]] | None:
+        """The configured tool-call parser's reading of `text` (content, calls), or None."""
+        ...
+
 
 class ByteRenderer:
     """Prompt ids for `InstantEngine`: the UTF-8 bytes of the messages' text."""
 
-    def render(self, req: Any) -> list[int]:
+    def render(self, req: Any, plan: Any = None) -> list[int]:
         from app.services.prompts import message_text
 
         text = "\n".join(message_text(getattr(m, "content", None)) or "" for m in req.messages)
@@ -156,3 +162,8 @@ class InstantEngine:
 
     def max_model_len(self) -> int:
         return self._context
+
+    def extract_tool_calls(
+        self, text: str, request: dict[str, Any]
+    ) -> tuple[str | None, list[dict[str, Any]]] | None:
+        return None

@@ -2,10 +2,26 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from worker.engine import ChoiceDelta
+from app.services.tools import ToolPlan, parse_constrained
+from worker.engine import ChoiceDelta, TokenLogprob
 from worker.store import Claim
+
+# (text, request) → (content, tool calls), or None when the parser found no call.
+ToolExtractor = Callable[[str, dict[str, Any]], tuple[str | None, list[dict[str, Any]]] | None]
+
+
+def logprob_entry(lp: TokenLogprob) -> dict[str, Any]:
+    """OpenAI's `ChatCompletionTokenLogprob`."""
+    return {
+        "token": lp.token,
+        "logprob": lp.logprob,
+        "bytes": lp.token_bytes,
+        "top_logprobs": [{"token": t, "logprob": p, "bytes": b} for t, p, b in lp.top],
+    }
 
 
 class ChoiceState:
@@ -16,7 +32,7 @@ class ChoiceState:
         self.parts: list[str] = []
         self.tokens = 0
         self.finish_reason: str | None = None
-        self.logprobs: list[dict[str, Any]] | None = None
+        self.logprobs: list[dict[str, Any]] = []
 
     @property
     def text(self) -> str:
@@ -26,14 +42,59 @@ class ChoiceState:
         if delta.text:
             self.parts.append(delta.text)
         self.tokens += len(delta.token_ids)
+        if delta.logprobs:
+            self.logprobs.extend(logprob_entry(lp) for lp in delta.logprobs)
         if delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason
 
-    def openai_finish_reason(self) -> str | None:
-        # An aborted choice is reported as stopped; the job's status says it was cancelled.
-        if self.finish_reason == "abort":
-            return "stop"
-        return self.finish_reason
+
+@dataclass(frozen=True)
+class FinalChoice:
+    index: int
+    message: dict[str, Any]
+    finish_reason: str | None
+    logprobs: list[dict[str, Any]] | None
+
+    @property
+    def tool_calls(self) -> list[dict[str, Any]]:
+        calls = self.message.get("tool_calls") or []
+        if self.message.get("function_call"):
+            calls = [{"id": None, "type": "function", "function": self.message["function_call"]}]
+        return list(calls)
+
+
+def finalize(
+    choice: ChoiceState,
+    *,
+    job_id: str,
+    plan: ToolPlan,
+    echo: str,
+    logprobs: bool,
+    request: dict[str, Any],
+    extract: ToolExtractor | None,
+) -> FinalChoice:
+    """The choice's message: text, or tool calls when the plan asked for them and the
+    output holds them. An aborted choice reports `stop`; the job's status says cancelled."""
+    reason = "stop" if choice.finish_reason == "abort" else choice.finish_reason
+    text = choice.text
+    calls: list[dict[str, Any]] | None = None
+    content: str | None = echo + text
+    if plan.mode in ("named", "required"):
+        calls = parse_constrained(plan, text, job_id, choice.index)
+    elif plan.mode == "auto" and extract is not None:
+        found = extract(text, request)
+        if found is not None:
+            content, calls = found
+    message: dict[str, Any] = {"role": "assistant", "content": content, "tool_calls": None}
+    if calls:
+        message["content"] = content if plan.mode == "auto" else None
+        if plan.legacy:
+            message["function_call"] = calls[0]["function"]
+            reason = "function_call" if reason == "stop" else reason
+        else:
+            message["tool_calls"] = calls
+            reason = "tool_calls" if reason == "stop" else reason
+    return FinalChoice(choice.index, message, reason, choice.logprobs if logprobs else None)
 
 
 def build_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
@@ -57,7 +118,7 @@ def completion_id(job_id: str) -> str:
 
 def build_completion(
     claim: Claim,
-    choices: list[ChoiceState],
+    choices: list[FinalChoice],
     usage: dict[str, Any],
     *,
     system_fingerprint: str,
@@ -71,9 +132,9 @@ def build_completion(
         "choices": [
             {
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text, "tool_calls": None},
+                "message": c.message,
                 "logprobs": {"content": c.logprobs} if c.logprobs is not None else None,
-                "finish_reason": c.openai_finish_reason(),
+                "finish_reason": c.finish_reason,
             }
             for c in choices
         ],

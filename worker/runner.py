@@ -15,13 +15,14 @@ from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError, SQLAlch
 
 from app.errors import InvalidRequest, LlmqError
 from app.models import JobStatus
+from app.services.tools import call_id
 from worker.engine import Engine, EngineDead, EngineUpdate, GenerationSpec, PromptTooLong
 from worker.loop import LoopThread
-from worker.response import ChoiceState, build_completion, build_usage, completion_id
+from worker.response import ChoiceState, build_completion, build_usage, completion_id, finalize
 from worker.stats import ResourceSampler, generation_stats, power_usage
 from worker.store import Claim, JobStore
-from worker.streaming import JobStream, StreamPublisher
-from worker.translate import Renderer, translate
+from worker.streaming import JobStream, StreamPublisher, StreamShape
+from worker.translate import Renderer, Translation, translate
 
 log = logging.getLogger("llmq.runner")
 
@@ -45,6 +46,7 @@ class RunnerConfig:
     system_fingerprint: str
     # How long a result write keeps retrying while Postgres is unreachable.
     write_retry_seconds: float = 120.0
+    tool_parser: str | None = None
 
 
 class Outcome:
@@ -72,6 +74,18 @@ class Outcome:
     @property
     def completion_tokens(self) -> int:
         return sum(c.tokens for c in self.choices)
+
+
+def stream_shape(tr: Translation, job_id: str) -> StreamShape:
+    mode = {"named": "arguments", "required": "buffered", "auto": "buffered"}.get(tr.tools.mode, "content")
+    return StreamShape(
+        mode=mode,
+        tool_name=tr.tools.name,
+        tool_call_id=call_id(job_id, 0, 0) if mode == "arguments" else None,
+        legacy=tr.tools.legacy,
+        echo=tr.echo,
+        logprobs=tr.logprobs,
+    )
 
 
 @dataclass
@@ -160,32 +174,31 @@ class JobRunner:
             "model": claim.model,
             "system_fingerprint": cfg.system_fingerprint,
         }
-        stream = self._streams.open(
-            job_id, claim.epoch, header, n=int(request.get("n") or 1), logprobs=bool(request.get("logprobs"))
-        )
+        stream = self._streams.open(job_id, claim.epoch, header)
         run = Run(claim, stream, ctx)
         try:
-            req, spec = translate(
+            tr = translate(
                 request,
                 request_id=f"{job_id}-{claim.epoch}",
                 kind=claim.kind,
                 renderer=self._renderer,
                 max_model_len=self._engine.max_model_len(),
+                tool_parser=cfg.tool_parser,
             )
         except LlmqError as exc:
             return self._end_failed(run, exc.body())
-        item = Inflight(job_id, claim.epoch, spec.request_id)
+        stream.reshape(stream_shape(tr, job_id), tr.spec.n)
+        item = Inflight(job_id, claim.epoch, tr.spec.request_id)
         with self._lock:
             self._inflight[job_id] = item
         try:
-            return self._generate_and_save(run, req.service_tier, spec, item)
+            return self._generate_and_save(run, tr, item)
         finally:
             with self._lock:
                 self._inflight.pop(job_id, None)
 
-    def _generate_and_save(
-        self, run: Run, service_tier: str | None, spec: GenerationSpec, item: Inflight
-    ) -> str | None:
+    def _generate_and_save(self, run: Run, tr: Translation, item: Inflight) -> str | None:
+        spec = tr.spec
         outcome = Outcome(spec.n)
         future = self._loop.submit(self._drive(spec, outcome, run.stream))
         try:
@@ -220,7 +233,7 @@ class JobRunner:
         if item.released.is_set():
             self._hand_back(run, "worker shutting down")
             return None
-        return self._save(run, service_tier, outcome, item)
+        return self._save(run, tr, outcome, item)
 
     async def _drive(self, spec: GenerationSpec, outcome: Outcome, stream: JobStream) -> None:
         async for update in self._engine.generate(spec):
@@ -232,7 +245,7 @@ class JobRunner:
         self._streams.discard(run.claim.job_id)
         log.warning("job handed back to the queue", extra={**run.ctx, "why": why, "released": released})
 
-    def _save(self, run: Run, service_tier: str | None, outcome: Outcome, item: Inflight) -> str | None:
+    def _save(self, run: Run, tr: Translation, outcome: Outcome, item: Inflight) -> str | None:
         claim = run.claim
         ended = time.monotonic()
         samples = self._sampler.window(outcome.submitted, ended)
@@ -246,12 +259,25 @@ class JobRunner:
         )
         power = power_usage(samples, ended - outcome.submitted)
         usage = build_usage(outcome.prompt_tokens, outcome.completion_tokens, outcome.cached_tokens)
+        finals = [
+            finalize(
+                c,
+                job_id=claim.job_id,
+                plan=tr.tools,
+                echo=tr.echo,
+                logprobs=tr.logprobs,
+                request=claim.request,
+                extract=self._engine.extract_tool_calls if tr.tools.mode == "auto" else None,
+            )
+            for c in outcome.choices
+        ]
+        run.stream.complete(finals)
         response = build_completion(
             claim,
-            outcome.choices,
+            finals,
             usage,
             system_fingerprint=self._config.system_fingerprint,
-            service_tier=service_tier,
+            service_tier=tr.request.service_tier,
         )
         cancelled = item.cancelled.is_set() or any(c.finish_reason == "abort" for c in outcome.choices)
         status = JobStatus.CANCELLED if cancelled else JobStatus.SUCCEEDED

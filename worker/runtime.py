@@ -64,12 +64,21 @@ def build_engine(settings: Settings) -> tuple[Engine, Renderer]:
         from worker.engine import ByteRenderer
 
         return InstantEngine(context=settings.max_model_len or 4096), ByteRenderer()
-    from app.services.prompts import ChatRenderer
+    from app.services.prompts import ChatRenderer, TemplateSandbox
     from worker.vllm_engine import VllmEngine
 
     if not settings.model:
         raise RuntimeError("LLMQ_MODEL is not set: point it at a model folder or name")
-    return VllmEngine(settings), ChatRenderer.load(settings.model)
+    sandbox = (
+        TemplateSandbox(
+            settings.model,
+            timeout=settings.chat_template_timeout_seconds,
+            max_output=settings.max_body_bytes * 4,
+        )
+        if settings.allow_custom_chat_template
+        else None
+    )
+    return VllmEngine(settings), ChatRenderer.load(settings.model, sandbox=sandbox)
 
 
 class WorkerRuntime:
@@ -110,6 +119,7 @@ class WorkerRuntime:
                 max_attempts=settings.max_attempts,
                 job_timeout_seconds=settings.job_timeout_seconds,
                 system_fingerprint=model_fingerprint(engine, settings.model),
+                tool_parser=settings.tool_call_parser,
             ),
         )
         self.sweeper = Sweeper(

@@ -26,6 +26,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from app.events import END_EVENT, job_channel, job_stream, notification
 from worker.engine import ChoiceDelta, EngineUpdate
+from worker.response import logprob_entry
 
 log = logging.getLogger("llmq.stream")
 
@@ -40,6 +41,24 @@ class _Pending:
     started: bool = False
 
 
+@dataclass(frozen=True)
+class StreamShape:
+    """How a job's deltas read on the wire.
+
+    - `content`: text deltas (`echo` text first);
+    - `arguments`: a named tool call whose arguments arrive as they are generated;
+    - `buffered`: tool calls found only once the text is complete (`required`, `auto`):
+      nothing is sent until the runner calls `JobStream.complete`.
+    """
+
+    mode: str = "content"
+    tool_name: str | None = None
+    tool_call_id: str | None = None
+    legacy: bool = False
+    echo: str = ""
+    logprobs: bool = False
+
+
 class JobStream:
     """One job's chunk events. Fed on the engine's loop thread; never blocks on Redis."""
 
@@ -51,25 +70,32 @@ class JobStream:
         header: dict[str, Any],
         *,
         n: int,
-        logprobs: bool,
+        shape: StreamShape | None = None,
     ) -> None:
         self._publisher = publisher
         self.job_id = job_id
         self.epoch = epoch
         self._header = header  # id, created, model, system_fingerprint
         self._pending = [_Pending() for _ in range(n)]
-        self._logprobs = logprobs
+        self.shape = shape or StreamShape()
         self._seq = 0
         self._buffered_tokens = 0
         self._last_flush = time.monotonic()
         self.events: list[dict[str, Any]] = []
         self.first_event_at: float | None = None
 
+    def reshape(self, shape: StreamShape, n: int) -> None:
+        """Set once the request is translated (before the first token)."""
+        self.shape = shape
+        self._pending = [_Pending() for _ in range(n)]
+
     def _next_id(self) -> str:
         self._seq += 1
         return f"{self.epoch}-{self._seq}"
 
     def add(self, update: EngineUpdate) -> None:
+        if self.shape.mode == "buffered":
+            return
         for delta in update.deltas:
             self._take(delta)
         now = time.monotonic()
@@ -86,11 +112,38 @@ class JobStream:
         pending = self._pending[delta.index]
         if delta.text:
             pending.text.append(delta.text)
-        if delta.logprobs and self._logprobs:
-            pending.logprobs.extend(_logprob_entry(lp) for lp in delta.logprobs)
+        if delta.logprobs and self.shape.logprobs:
+            pending.logprobs.extend(logprob_entry(lp) for lp in delta.logprobs)
         if delta.finish_reason is not None:
-            pending.finish_reason = "stop" if delta.finish_reason == "abort" else delta.finish_reason
+            reason = "stop" if delta.finish_reason == "abort" else delta.finish_reason
+            if self.shape.mode == "arguments" and reason == "stop":
+                reason = "function_call" if self.shape.legacy else "tool_calls"
+            pending.finish_reason = reason
         self._buffered_tokens += len(delta.token_ids)
+
+    def _delta(self, pending: _Pending) -> dict[str, Any]:
+        text = "".join(pending.text)
+        first = not pending.started
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        if self.shape.mode == "arguments":
+            if self.shape.legacy:
+                call: dict[str, Any] = {"arguments": text}
+                if first:
+                    call = {"name": self.shape.tool_name, **call}
+                delta["function_call"] = call
+            else:
+                tool: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
+                if first:
+                    tool = {
+                        "index": 0,
+                        "id": self.shape.tool_call_id,
+                        "type": "function",
+                        "function": {"name": self.shape.tool_name, "arguments": text},
+                    }
+                delta["tool_calls"] = [tool]
+        else:
+            delta["content"] = (self.shape.echo if first else "") + text
+        return delta
 
     def flush(self) -> None:
         """Turn buffered deltas into one chunk event (if there is anything to say)."""
@@ -98,13 +151,7 @@ class JobStream:
         for index, pending in enumerate(self._pending):
             if not pending.text and pending.finish_reason is None:
                 continue
-            delta: dict[str, Any] = {}
-            if not pending.started:
-                delta["role"] = "assistant"
-                pending.started = True
-            delta["content"] = "".join(pending.text)
-            if pending.finish_reason is not None and not delta["content"] and "role" not in delta:
-                delta = {}
+            delta = self._delta(pending) if pending.text or not pending.started else {}
             choices.append(
                 {
                     "index": index,
@@ -116,8 +163,35 @@ class JobStream:
             self._pending[index] = _Pending(started=True)
         self._buffered_tokens = 0
         self._last_flush = time.monotonic()
-        if not choices:
+        if choices:
+            self._emit_chunk(choices)
+
+    def complete(self, finals: list[Any]) -> None:
+        """Buffered mode: send each choice whole, tool calls in OpenAI's streaming form."""
+        if self.shape.mode != "buffered":
             return
+        choices = []
+        for final in finals:
+            message = final.message
+            delta: dict[str, Any] = {"role": "assistant"}
+            if message.get("content") is not None:
+                delta["content"] = message["content"]
+            if message.get("function_call"):
+                delta["function_call"] = message["function_call"]
+            if message.get("tool_calls"):
+                delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
+            choices.append(
+                {
+                    "index": final.index,
+                    "delta": delta,
+                    "logprobs": {"content": final.logprobs} if final.logprobs else None,
+                    "finish_reason": final.finish_reason,
+                }
+            )
+        if choices:
+            self._emit_chunk(choices)
+
+    def _emit_chunk(self, choices: list[dict[str, Any]]) -> None:
         chunk = {
             "id": self._header["id"],
             "object": "chat.completion.chunk",
@@ -134,7 +208,8 @@ class JobStream:
     ) -> dict[str, Any]:
         """The terminal event, with its id; recorded (to persist with the result), but
         shipped only by `publish_end`, after the result is safely in Postgres."""
-        self.flush()
+        if self.shape.mode != "buffered":
+            self.flush()
         event = {"id": self._next_id(), "type": END_EVENT, "status": status, "usage": usage, "error": error}
         self.events.append(event)
         return event
@@ -149,15 +224,6 @@ class JobStream:
             self.first_event_at = time.monotonic()
         self.events.append(event)
         self._publisher.submit(self.job_id, event)
-
-
-def _logprob_entry(lp: Any) -> dict[str, Any]:
-    return {
-        "token": lp.token,
-        "logprob": lp.logprob,
-        "bytes": lp.token_bytes,
-        "top_logprobs": [{"token": t, "logprob": p, "bytes": b} for t, p, b in lp.top],
-    }
 
 
 # Append one event unless the stream should exist and does not (Redis restarted and lost
@@ -196,14 +262,12 @@ class StreamPublisher:
         self._append = redis.register_script(_APPEND)
         self.published = 0
 
-    def open(
-        self, job_id: str, epoch: int, header: dict[str, Any], *, n: int = 1, logprobs: bool = False
-    ) -> JobStream:
+    def open(self, job_id: str, epoch: int, header: dict[str, Any], *, n: int = 1) -> JobStream:
         """A new attempt starts a clean log: an older attempt's events are dropped."""
         with self._lock:
             self._history[job_id] = []
         self._queue.put((job_id, {"reset": True}, False))
-        return JobStream(self, job_id, epoch, header, n=n, logprobs=logprobs)
+        return JobStream(self, job_id, epoch, header, n=n)
 
     def submit(self, job_id: str, event: dict[str, Any], *, final: bool = False) -> None:
         with self._lock:

@@ -1,36 +1,68 @@
-"""`ChatCompletionV2Request` → `GenerationSpec`: prompt token ids and the keyword arguments
-of the installed vLLM's `SamplingParams` (names checked against vLLM 0.32's signature by
-tests/integration/test_translate_vllm.py)."""
+"""`ChatCompletionV2Request` → what the engine runs: prompt token ids and the keyword
+arguments of the installed vLLM's `SamplingParams` (names checked against vLLM 0.32's
+signature by tests/integration/test_contract.py), plus what shaping the answer needs."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from app.errors import InvalidRequest
 from app.models import JobKind
-from app.schemas.chat import ChatCompletionV2Request
+from app.schemas.chat import AssistantMessage, ChatCompletionV2Request
+from app.services.prompts import message_text
+from app.services.structured import constraint
+from app.services.tools import ToolPlan, plan_tools
 from worker.engine import GenerationSpec
 
 
 class Renderer(Protocol):
-    def render(self, req: ChatCompletionV2Request) -> list[int]: ...
+    def render(self, req: ChatCompletionV2Request, plan: ToolPlan | None = None) -> list[int]: ...
 
 
-def sampling_kwargs(req: ChatCompletionV2Request, *, max_tokens: int, bench: bool) -> dict[str, Any]:
-    """The `SamplingParams` fields this request sets. Unset fields keep vLLM's defaults,
-    except `temperature`, whose OpenAI default (1.0) is also vLLM's."""
+@dataclass(frozen=True)
+class Translation:
+    request: ChatCompletionV2Request
+    spec: GenerationSpec
+    tools: ToolPlan
+    echo: str  # text the answer starts with (`echo` of a final assistant message)
+    top_logprobs: int | None  # alternatives per token when logprobs were asked for
+
+    @property
+    def logprobs(self) -> bool:
+        return self.top_logprobs is not None
+
+
+# Request fields passed to SamplingParams under the same name when set.
+_SAME_NAME = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "stop_token_ids",
+    "include_stop_str_in_output",
+    "min_tokens",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+)
+
+
+def sampling_kwargs(
+    req: ChatCompletionV2Request, *, max_tokens: int, bench: bool, structured: dict[str, Any] | None
+) -> dict[str, Any]:
+    """The `SamplingParams` fields this request sets; unset fields keep vLLM's defaults
+    (the OpenAI defaults: temperature 1, top_p 1, no penalties)."""
     kw: dict[str, Any] = {"n": req.n or 1, "max_tokens": max_tokens}
-    if req.temperature is not None:
-        kw["temperature"] = req.temperature
-    if req.top_p is not None:
-        kw["top_p"] = req.top_p
+    for name in _SAME_NAME:
+        value = getattr(req, name)
+        if value is not None:
+            kw[name] = value
     if req.top_k is not None:
         # OpenAI-style -1 ("all tokens") is vLLM's 0 in recent versions.
         kw["top_k"] = 0 if req.top_k == -1 else req.top_k
-    if req.min_p is not None:
-        kw["min_p"] = req.min_p
-    if req.seed is not None:
-        kw["seed"] = req.seed
     if req.stop is not None:
         kw["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
     if req.ignore_eos or bench:
@@ -38,7 +70,22 @@ def sampling_kwargs(req: ChatCompletionV2Request, *, max_tokens: int, bench: boo
     if bench:
         # Bench runs generate exactly max_tokens tokens.
         kw["min_tokens"] = max_tokens
+    if req.logit_bias:
+        kw["logit_bias"] = {int(token): float(bias) for token, bias in req.logit_bias.items()}
+    if req.logprobs:
+        # The sampled token's logprob always comes back; `top_logprobs` adds alternatives.
+        kw["logprobs"] = req.top_logprobs or 0
+    if structured is not None:
+        kw["structured_outputs"] = structured
     return kw
+
+
+def echo_prefix(req: ChatCompletionV2Request) -> str:
+    """With `echo`, an answer continuing the last assistant message starts with its text."""
+    last = req.messages[-1]
+    if req.echo and isinstance(last, AssistantMessage):
+        return message_text(last.content) or ""
+    return ""
 
 
 def translate(
@@ -48,12 +95,16 @@ def translate(
     kind: str,
     renderer: Renderer,
     max_model_len: int,
-) -> tuple[ChatCompletionV2Request, GenerationSpec]:
+    tool_parser: str | None = None,
+) -> Translation:
     """Raises:
-    InvalidRequest: the prompt does not fit the model's context (a 400 for this job only).
+    InvalidRequest: the prompt does not fit the model's context, or the template refused
+    the messages (a 400 for this job only).
     """
     req = ChatCompletionV2Request.model_validate(request)
-    prompt = renderer.render(req)
+    plan = plan_tools(req, auto_parser=tool_parser)
+    structured = constraint(req, plan)
+    prompt = renderer.render(req, plan)
     room = max_model_len - len(prompt)
     if room < 1:
         raise InvalidRequest(
@@ -75,7 +126,15 @@ def translate(
     spec = GenerationSpec(
         request_id=request_id,
         prompt_token_ids=prompt,
-        sampling=sampling_kwargs(req, max_tokens=max_tokens, bench=kind == JobKind.BENCH.value),
+        sampling=sampling_kwargs(
+            req, max_tokens=max_tokens, bench=kind == JobKind.BENCH.value, structured=structured
+        ),
         priority=req.effective_priority(),
     )
-    return req, spec
+    return Translation(
+        request=req,
+        spec=spec,
+        tools=plan,
+        echo=echo_prefix(req),
+        top_logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+    )

@@ -32,6 +32,8 @@ class VllmEngine:
         self._settings = settings
         self._llm: Any = None
         self._priority_scheduling = True
+        self._tool_parser: Any = None
+        self._byte_decoder: dict[str, int] | None = None
 
     async def start(self) -> None:
         from vllm.config import StructuredOutputsConfig
@@ -85,12 +87,13 @@ class VllmEngine:
             output_kind=RequestOutputKind.DELTA,
         )
         prompt = TokensPrompt(prompt_token_ids=spec.prompt_token_ids)
+        top = sampling.get("logprobs")
         try:
             async for out in self._llm.generate(
                 prompt, params, spec.request_id, priority=spec.priority if self._priority_scheduling else 0
             ):
                 yield EngineUpdate(
-                    deltas=[_delta(o) for o in out.outputs],
+                    deltas=[_delta(o, top, self._token_bytes) for o in out.outputs],
                     prompt_tokens=len(out.prompt_token_ids or spec.prompt_token_ids),
                     cached_tokens=int(out.num_cached_tokens or 0),
                     finished=bool(out.finished),
@@ -139,6 +142,63 @@ class VllmEngine:
     def tokenizer(self) -> Any:
         return self._llm.get_tokenizer()
 
+    def _token_bytes(self, token_id: int, decoded: str) -> list[int]:
+        """A token's own bytes: byte-level BPE vocabularies spell bytes as characters
+        (GPT-2's map), so a token that is half of a UTF-8 character still has its bytes."""
+        if self._byte_decoder is None:
+            self._byte_decoder = {ch: b for b, ch in _bytes_to_unicode().items()}
+        piece = self._llm.get_tokenizer().convert_ids_to_tokens(token_id)
+        if isinstance(piece, str) and piece and all(ch in self._byte_decoder for ch in piece):
+            return [self._byte_decoder[ch] for ch in piece]
+        return list(decoded.encode("utf-8"))
+
+    def extract_tool_calls(
+        self, text: str, request: dict[str, Any]
+    ) -> tuple[str | None, list[dict[str, Any]]] | None:
+        """Read tool calls out of free text with the configured vLLM tool parser
+        (`tool_choice: auto`); None when it finds none."""
+        if not self._settings.tool_call_parser:
+            return None
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        from vllm.tool_parsers import ToolParserManager
+
+        if self._tool_parser is None:
+            parser_cls = ToolParserManager.get_tool_parser(self._settings.tool_call_parser)
+            self._tool_parser = parser_cls(self._llm.get_tokenizer())
+        vllm_request = ChatCompletionRequest.model_validate(
+            {k: v for k, v in request.items() if k in ("model", "messages", "tools", "tool_choice")}
+        )
+        info = self._tool_parser.extract_tool_calls(text, vllm_request)
+        if not info.tools_called:
+            return None
+        calls = [
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.function.name, "arguments": c.function.arguments},
+            }
+            for c in info.tool_calls
+        ]
+        return info.content, calls
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level BPE alphabet: printable bytes stand for themselves, the others
+    are shifted past 255."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    chars = list(printable)
+    shift = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + shift)
+            shift += 1
+    return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
+
 
 def _pin_engine_core() -> None:
     """Put the engine core process on the model worker's cores.
@@ -186,30 +246,42 @@ def _running(proc: psutil.Process) -> bool:
         return False
 
 
-def _delta(output: Any) -> ChoiceDelta:
+def _delta(output: Any, top: int | None, token_bytes: Any) -> ChoiceDelta:
     return ChoiceDelta(
         index=int(output.index),
         text=output.text or "",
         token_ids=list(output.token_ids or ()),
-        logprobs=_logprobs(output),
+        logprobs=_logprobs(output, top, token_bytes),
         finish_reason=output.finish_reason,
         stop_reason=output.stop_reason,
     )
 
 
-def _logprobs(output: Any) -> list[TokenLogprob] | None:
+def _logprobs(output: Any, top: int | None, token_bytes: Any) -> list[TokenLogprob] | None:
+    """vLLM's per-position {token id: Logprob} → OpenAI's entries: the sampled token, its
+    bytes, and exactly `top` alternatives by rank."""
     if output.logprobs is None:
         return None
     items = []
     for token_id, position in zip(output.token_ids, output.logprobs, strict=False):
         chosen = position.get(token_id)
-        top = sorted(position.values(), key=lambda lp: lp.rank or 0)
+        ranked = sorted(position.items(), key=lambda kv: kv[1].rank if kv[1].rank is not None else 0)
+        alternatives = [(tid, lp) for tid, lp in ranked if lp.rank is not None and lp.rank <= (top or 0)][
+            : top or 0
+        ]
         items.append(
             TokenLogprob(
                 token=(chosen.decoded_token if chosen else "") or "",
-                logprob=float(chosen.logprob) if chosen else float("-inf"),
-                token_bytes=None,
-                top=[(lp.decoded_token or "", float(lp.logprob), None) for lp in top],
+                logprob=max(float(chosen.logprob), -9999.0) if chosen else -9999.0,
+                token_bytes=token_bytes(token_id, chosen.decoded_token if chosen else ""),
+                top=[
+                    (
+                        lp.decoded_token or "",
+                        max(float(lp.logprob), -9999.0),
+                        token_bytes(tid, lp.decoded_token or ""),
+                    )
+                    for tid, lp in alternatives
+                ],
             )
         )
     return items

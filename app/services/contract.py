@@ -1,23 +1,25 @@
 """Which request fields this deployment honours, and the bounds it enforces.
 
-Nothing is accepted and ignored: a field is either in `HONOURED`, or set to its neutral
-value (the value that changes nothing), or the request is refused with a 400 naming it.
+Nothing is accepted and ignored: a field is honoured (see `HONOURED` and the checks
+below), or set to its neutral value (the value that changes nothing), or the request is
+refused with a 400 naming it. The refusals say why: most come from what the installed vLLM
+(0.32) can do, the rest from what this deployment serves (a text-only model).
 """
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import urlparse
 
 from app.errors import InvalidRequest, NotFound, Unsupported
-from app.schemas.chat import (
-    AssistantMessage,
-    ChatCompletionV2Request,
-    TextPart,
-)
+from app.schemas.chat import ChatCompletionV2Request, ImagePart, TextPart
+from app.services.structured import constraint
+from app.services.tools import plan_tools
 from app.settings import Settings
 
-# Fields the engine path implements; every other set field must be neutral.
+# Fields the engine path implements (some with conditions, checked in `check`).
 HONOURED: frozenset[str] = frozenset(
     {
         "messages",
@@ -33,6 +35,40 @@ HONOURED: frozenset[str] = frozenset(
         "n",
         "ignore_eos",
         "priority",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "logit_bias",
+        "stop_token_ids",
+        "include_stop_str_in_output",
+        "min_tokens",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+        "logprobs",
+        "top_logprobs",
+        # Chat template rendering.
+        "echo",
+        "add_generation_prompt",
+        "continue_final_message",
+        "add_special_tokens",
+        "documents",
+        "chat_template",
+        "chat_template_kwargs",
+        # Structured outputs (see app/services/structured.py).
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+        "guided_decoding_backend",
+        "response_format",
+        # Tools (see app/services/tools.py).
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "functions",
+        "function_call",
+        # `best_of` equal to `n` (the only value without beam search).
+        "best_of",
         # Streaming: the chat endpoints relay SSE; see `check` for POST /v2/jobs.
         "stream",
         "stream_options",
@@ -49,62 +85,54 @@ def _is(*values: Any) -> Callable[[Any], bool]:
     return lambda v: v in values
 
 
-def _empty(v: Any) -> bool:
-    return not v
-
-
-# A set field with a neutral value asks for exactly what happens anyway.
+# Fields not honoured, with the value that asks for nothing.
 NEUTRAL: dict[str, Callable[[Any], bool]] = {
-    "logprobs": _is(False),
-    "top_logprobs": _is(0),
-    "echo": _is(False),
-    "add_generation_prompt": _is(True),
-    "continue_final_message": _is(False),
-    "add_special_tokens": _is(False),
-    "skip_special_tokens": _is(True),
-    "spaces_between_special_tokens": _is(True),
-    "include_stop_str_in_output": _is(False),
-    "use_beam_search": _is(False),
-    "min_tokens": _is(0),
-    "repetition_penalty": _is(1.0),
-    "presence_penalty": _is(0.0),
-    "frequency_penalty": _is(0.0),
-    "stop_token_ids": _empty,
-    "logit_bias": _empty,
-    "documents": _empty,
-    "chat_template_kwargs": _empty,
-    "tools": _empty,
-    "functions": _empty,
-    "tool_choice": _is("none"),
-    "function_call": _is("none"),
     "modalities": _is(["text"]),
-    "response_format": lambda v: v.get("type") == "text",
+    "use_beam_search": _is(False),
+    "length_penalty": _is(1.0),
+    "early_stopping": _is(False),
 }
 
 WHY_UNSUPPORTED: dict[str, str] = {
     "modalities": "this engine generates text only",
     "audio": "this engine does not generate audio",
-    "prediction": "predicted outputs are not supported by this engine",
+    "prediction": "predicted outputs are not supported by vLLM",
     "web_search_options": "this engine has no web search",
     "reasoning_effort": "the served model has no reasoning-effort control",
+    "use_beam_search": "beam search is not available through vLLM 0.32's AsyncLLM",
+    "length_penalty": "it applies to beam search, which vLLM 0.32's AsyncLLM does not offer",
+    "early_stopping": "it applies to beam search, which vLLM 0.32's AsyncLLM does not offer",
+    "guided_whitespace_pattern": "vLLM 0.32 ignores a per-request whitespace pattern; whitespace in "
+    "JSON output is set for the whole engine (none between tokens)",
 }
+
+LOGIT_BIAS_RANGE = 100.0
 
 
 class RequestPolicy:
     """Checks a parsed request against what this deployment runs. Raises, or returns."""
 
-    def __init__(self, settings: Settings, served_models: frozenset[str]) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        served_models: frozenset[str],
+        *,
+        count_prompt: Callable[[ChatCompletionV2Request], int] | None = None,
+        max_model_len: int | None = None,
+    ) -> None:
         self._settings = settings
         self._served = served_models
+        self._count_prompt = count_prompt
+        self._max_model_len = max_model_len
 
     def check(self, req: ChatCompletionV2Request, *, streaming: bool = False) -> None:
         """`streaming`: the endpoint can answer `stream: true` (the chat endpoints can;
         `POST /v2/jobs` answers 202 and streams from `/v2/jobs/<id>/stream`).
 
         Raises:
-        NotFound: `model` is not served here.
-        Unsupported: a field set to something this deployment does not honour.
-        InvalidRequest: a bound is exceeded or fields contradict each other.
+            NotFound: `model` is not served here.
+            Unsupported: a field set to something this deployment does not honour.
+            InvalidRequest: a bound is exceeded or fields contradict each other.
         """
         if req.model not in self._served:
             raise NotFound(
@@ -120,8 +148,12 @@ class RequestPolicy:
                 param="stream",
             )
         self._check_fields(req)
+        self._check_sampling(req)
+        self._check_template(req)
+        self._check_output(req)
         self._check_bounds(req)
         self._check_messages(req)
+        self._check_prompt_length(req)
 
     def _check_fields(self, req: ChatCompletionV2Request) -> None:
         dumped = req.model_dump(exclude_none=True, by_alias=True)
@@ -131,10 +163,61 @@ class RequestPolicy:
             neutral = NEUTRAL.get(name)
             if neutral is not None and neutral(dumped[name]):
                 continue
-            if name == "best_of" and dumped[name] == (req.n or 1):
-                continue
-            why = WHY_UNSUPPORTED.get(name, "this deployment does not honour it yet")
+            why = WHY_UNSUPPORTED.get(name, "this deployment does not honour it")
             raise Unsupported(f"`{name}` is not supported: {why}", param=name)
+
+    def _check_sampling(self, req: ChatCompletionV2Request) -> None:
+        n = req.n or 1
+        if req.best_of is not None and req.best_of != n:
+            raise Unsupported(
+                f"`best_of` {req.best_of} with `n` {n}: vLLM 0.32 generates exactly `n` sequences "
+                "(best_of was removed); send best_of equal to n or leave it out",
+                param="best_of",
+            )
+        if req.top_logprobs and not req.logprobs:
+            raise InvalidRequest("`top_logprobs` needs `logprobs: true`", param="top_logprobs")
+        for token, bias in (req.logit_bias or {}).items():
+            if not token.lstrip("-").isdigit() or int(token) < 0:
+                raise InvalidRequest(f"`logit_bias` keys are token ids; got {token!r}", param="logit_bias")
+            if not -LOGIT_BIAS_RANGE <= bias <= LOGIT_BIAS_RANGE:
+                raise InvalidRequest("`logit_bias` values must be between -100 and 100", param="logit_bias")
+        if (
+            req.min_tokens is not None
+            and (limit := req.completion_limit()) is not None
+            and req.min_tokens > limit
+        ):
+            raise InvalidRequest("`min_tokens` is above `max_tokens`", param="min_tokens")
+
+    def _check_template(self, req: ChatCompletionV2Request) -> None:
+        if req.continue_final_message and req.add_generation_prompt:
+            raise InvalidRequest(
+                "`continue_final_message` and `add_generation_prompt` cannot both be true",
+                param="continue_final_message",
+            )
+        if req.chat_template is not None:
+            if not self._settings.allow_custom_chat_template:
+                raise Unsupported(
+                    "`chat_template` is refused by this deployment (LLMQ_ALLOW_CUSTOM_CHAT_TEMPLATE is "
+                    "off): user templates have been a sandbox-escape and resource-bomb route",
+                    param="chat_template",
+                )
+            if len(req.chat_template) > self._settings.max_chat_template_bytes:
+                raise InvalidRequest(
+                    f"`chat_template` is over {self._settings.max_chat_template_bytes} bytes",
+                    param="chat_template",
+                )
+
+    def _check_output(self, req: ChatCompletionV2Request) -> None:
+        plan = plan_tools(req, auto_parser=self._settings.tool_call_parser)
+        constraint(req, plan)
+        backend = req.guided_decoding_backend
+        if backend is not None and backend != self._settings.structured_output_backend:
+            raise Unsupported(
+                f"`guided_decoding_backend` {backend!r}: this engine runs "
+                f"{self._settings.structured_output_backend!r} for every request (vLLM 0.32 sets the backend "
+                "per engine); leave it out or send that value",
+                param="guided_decoding_backend",
+            )
 
     def _check_bounds(self, req: ChatCompletionV2Request) -> None:
         s = self._settings
@@ -150,31 +233,76 @@ class RequestPolicy:
             )
         if isinstance(req.stop, list) and len(req.stop) > s.max_stop_sequences:
             raise InvalidRequest(
-                f"`stop` has {len(req.stop)} sequences; the limit is {s.max_stop_sequences}",
-                param="stop",
+                f"`stop` has {len(req.stop)} sequences; the limit is {s.max_stop_sequences}", param="stop"
             )
 
     def _check_messages(self, req: ChatCompletionV2Request) -> None:
         for i, msg in enumerate(req.messages):
             content = getattr(msg, "content", None)
-            if isinstance(content, list):
-                for j, part in enumerate(content):
-                    if not isinstance(part, TextPart) and getattr(part, "type", "") != "refusal":
-                        raise Unsupported(
-                            f"content part type `{part.type}` is not supported: "
-                            "the served model is text-only",
-                            param=f"messages[{i}].content[{j}].type",
-                        )
-            if isinstance(msg, AssistantMessage):
-                if msg.audio is not None:
-                    raise Unsupported(
-                        "assistant `audio` references are not supported: text-only model",
-                        param=f"messages[{i}].audio",
-                    )
-                if msg.tool_calls or msg.function_call:
-                    raise Unsupported(
-                        "assistant tool calls in the history are not supported yet",
-                        param=f"messages[{i}].tool_calls",
-                    )
-            if msg.role in ("tool", "function"):
-                raise Unsupported(f"`{msg.role}` messages are not supported yet", param=f"messages[{i}].role")
+            if not isinstance(content, list):
+                continue
+            for j, part in enumerate(content):
+                if isinstance(part, TextPart) or part.type == "refusal":
+                    continue
+                param = f"messages[{i}].content[{j}]"
+                if isinstance(part, ImagePart):
+                    unsafe = unsafe_url_reason(part.image_url.url)
+                    if unsafe:
+                        raise InvalidRequest(f"`image_url` refused: {unsafe}", param=f"{param}.image_url.url")
+                raise Unsupported(
+                    f"content part type `{part.type}` is not supported: the served model is text-only",
+                    param=f"{param}.type",
+                )
+
+    def _check_prompt_length(self, req: ChatCompletionV2Request) -> None:
+        if self._count_prompt is None or self._max_model_len is None or req.chat_template is not None:
+            return
+        tokens = self._count_prompt(req)
+        room = self._max_model_len - tokens
+        if room < 1:
+            raise InvalidRequest(
+                f"This model's maximum context length is {self._max_model_len} tokens; the messages take "
+                f"{tokens} tokens, leaving no room for the completion",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        asked = req.completion_limit()
+        if asked is not None and asked > room:
+            field = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+            raise InvalidRequest(
+                f"This model's maximum context length is {self._max_model_len} tokens; the messages take "
+                f"{tokens} and `{field}` asks for {asked} more",
+                param=field,
+                code="context_length_exceeded",
+            )
+
+
+_BLOCKED_HOSTS = {"localhost", "localhost.localdomain", "ip6-localhost", "metadata.google.internal"}
+
+
+def unsafe_url_reason(url: str) -> str | None:
+    """Why fetching `url` would be unsafe (SSRF), or None. Hosts are judged as written:
+    loopback, private, link-local, reserved and unspecified addresses, `file:` and any scheme
+    but http(s)."""
+    parsed = urlparse(url)
+    if parsed.scheme == "data":
+        return None
+    if parsed.scheme not in ("http", "https"):
+        return f"scheme `{parsed.scheme or '(none)'}` is not fetched"
+    host = (parsed.hostname or "").lower()
+    if not host or host in _BLOCKED_HOSTS or host.endswith(".localhost"):
+        return f"host `{host or '(none)'}` is local"
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    if (
+        address.is_loopback
+        or address.is_private
+        or address.is_link_local
+        or address.is_reserved
+        or address.is_unspecified
+        or address.is_multicast
+    ):
+        return f"address {address} is not public"
+    return None

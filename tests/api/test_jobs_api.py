@@ -95,9 +95,13 @@ def test_other_tenants_ids_are_404(client: FlaskClient, tenant_keys) -> None:
         (body(n=1000), "n"),
         (body(max_tokens=10**9), "max_tokens"),
         (body(top_logprobs=21), "top_logprobs"),
-        (body(logprobs=True), "logprobs"),
+        (body(use_beam_search=True), "use_beam_search"),
+        (body(top_logprobs=3), "top_logprobs"),
+        (body(tools=[{"type": "function", "function": {"name": "f"}}]), "tool_choice"),
+        (body(chat_template="{{ messages }}"), "chat_template"),
         (body(stop=["a", "b", "c", "d", "e"]), "stop"),
-        (body(guided_regex="[a-z]+"), "guided_regex"),
+        (body(guided_whitespace_pattern=" "), "guided_whitespace_pattern"),
+        (body(guided_json={"type": "object"}, guided_regex="a"), "guided_regex"),
     ],
 )
 def test_bad_requests_are_400_naming_the_field(client: FlaskClient, tenant_keys, payload, param) -> None:

@@ -10,7 +10,8 @@ from sqlalchemy import text
 from app.schemas.chat import ChatCompletionV2Request
 from app.schemas.completion import ChatCompletion, GenerationStats
 from app.schemas.jobs import JobObject
-from tests.integration.conftest import Stack, wait_for
+from tests.integration.conftest import Stack, submit_unchecked, wait_for
+from tests.integration.test_contract import pick_stop
 
 pytestmark = pytest.mark.integration
 
@@ -86,13 +87,14 @@ def test_greedy_is_deterministic_and_stop_strings_cut_the_text(stack: Stack) -> 
         ]
         == full
     )
-    # Stop on a piece of the greedy text: the output ends right before it.
-    cut = full[len(full) // 2 : len(full) // 2 + 3]
-    if cut.strip() and cut not in full[: len(full) // 2]:
-        stopped = run(stack, max_tokens=32, temperature=0, stop=[cut])
-        text = stopped["response"]["choices"][0]["message"]["content"]
-        assert cut not in text and full.startswith(text)
-        assert stopped["response"]["choices"][0]["finish_reason"] == "stop"
+    # Stop on a piece of a (seeded, so reproducible) text: the output ends right before it.
+    seeded = {"temperature": 1.0, "seed": 11, "max_tokens": 32}
+    sampled = run(stack, ignore_eos=True, **seeded)["response"]["choices"][0]["message"]["content"]
+    cut = pick_stop(sampled)
+    stopped = run(stack, stop=[cut], **seeded)
+    text = stopped["response"]["choices"][0]["message"]["content"]
+    assert sampled.startswith(text + cut)
+    assert stopped["response"]["choices"][0]["finish_reason"] == "stop"
 
 
 def test_sampling_knobs_change_the_output(stack: Stack) -> None:
@@ -164,8 +166,16 @@ def test_cancel_running_job_keeps_partial_text(stack: Stack) -> None:
     assert r.status_code == 409 and r.json()["error"]["code"] == "job_not_cancellable"
 
 
-def test_prompt_over_context_fails_that_job_with_a_400_body(stack: Stack) -> None:
-    job = run(stack, messages=[{"role": "user", "content": "word " * 3000}], max_tokens=4)
+def test_prompt_over_context_is_a_400_or_fails_that_job_alone(stack: Stack, services) -> None:
+    long = body(stack, messages=[{"role": "user", "content": "word " * 3000}], max_tokens=4)
+    with stack.client() as c:
+        r = c.post("/v2/jobs", json=long)
+    # The API counts tokens with the model's tokenizer: refused before anything is stored.
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    # Past the API (as a batch line is), the worker fails that job alone with the same body.
+    job_id = submit_unchecked(services, stack, long)
+    with stack.client() as c:
+        job = wait_for(c, [job_id])[job_id]
     assert job["status"] == "failed"
     assert job["error"]["code"] == "context_length_exceeded"
     assert job["error"]["type"] == "invalid_request_error"

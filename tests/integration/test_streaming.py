@@ -11,7 +11,7 @@ import pytest
 import redis
 
 from app.schemas.completion import ChatCompletionChunk, RecordedStream
-from tests.integration.conftest import Stack, wait_for
+from tests.integration.conftest import Stack, submit_unchecked, wait_for
 from tests.integration.sse import events, read_all, text_of
 
 pytestmark = pytest.mark.integration
@@ -91,8 +91,9 @@ def test_recorded_stream_has_seed_shape(stack: Stack) -> None:
     assert "".join(ch.delta.content or "" for e in recorded.events for ch in e.choices) == text
 
 
-def test_failed_job_streams_one_error_then_done(stack: Stack) -> None:
-    job_id = submit(stack, messages=[{"role": "user", "content": "word " * 3000}], max_tokens=3)
+def test_failed_job_streams_one_error_then_done(stack: Stack, services) -> None:
+    long = {"model": stack.model, "messages": [{"role": "user", "content": "word " * 3000}], "max_tokens": 3}
+    job_id = submit_unchecked(services, stack, long)
     with stack.client() as c:
         evts = read_all(c, f"/v2/jobs/{job_id}/stream")
     assert [e.done for e in evts] == [False, True]

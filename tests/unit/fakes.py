@@ -65,13 +65,11 @@ class FakeStreams:
         self.shipped: dict[str, list[dict[str, Any]]] = {}
         self.discarded: list[str] = []
 
-    def open(
-        self, job_id: str, epoch: int, header: dict[str, Any], *, n: int = 1, logprobs: bool = False
-    ) -> Any:
+    def open(self, job_id: str, epoch: int, header: dict[str, Any], *, n: int = 1) -> Any:
         from worker.streaming import JobStream
 
         self.shipped[job_id] = []
-        return JobStream(self, job_id, epoch, header, n=n, logprobs=logprobs)  # type: ignore[arg-type]
+        return JobStream(self, job_id, epoch, header, n=n)  # type: ignore[arg-type]
 
     def submit(self, job_id: str, event: dict[str, Any], *, final: bool = False) -> None:
         self.shipped[job_id].append(event)

@@ -11,15 +11,15 @@ class FixedRenderer:
     def __init__(self, length: int) -> None:
         self.length = length
 
-    def render(self, req: ChatCompletionV2Request) -> list[int]:
+    def render(self, req: ChatCompletionV2Request, plan=None) -> list[int]:
         return list(range(self.length))
 
 
 def run(fields: dict, *, prompt: int = 10, context: int = 100, kind: str = "chat"):
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
-    return translate(body, request_id="r", kind=kind, renderer=FixedRenderer(prompt), max_model_len=context)[
-        1
-    ]
+    return translate(
+        body, request_id="r", kind=kind, renderer=FixedRenderer(prompt), max_model_len=context
+    ).spec
 
 
 @pytest.mark.parametrize(
@@ -37,6 +37,38 @@ def run(fields: dict, *, prompt: int = 10, context: int = 100, kind: str = "chat
         ({"ignore_eos": True}, {"ignore_eos": True}),
         ({"max_tokens": 12}, {"max_tokens": 12}),
         ({"max_completion_tokens": 9, "max_tokens": 50}, {"max_tokens": 9}),
+        ({"presence_penalty": 0.5}, {"presence_penalty": 0.5}),
+        ({"frequency_penalty": -1.0}, {"frequency_penalty": -1.0}),
+        ({"repetition_penalty": 1.3}, {"repetition_penalty": 1.3}),
+        ({"logit_bias": {"5": 10, "7": -100}}, {"logit_bias": {5: 10.0, 7: -100.0}}),
+        ({"stop_token_ids": [3]}, {"stop_token_ids": [3]}),
+        ({"include_stop_str_in_output": True}, {"include_stop_str_in_output": True}),
+        ({"min_tokens": 4}, {"min_tokens": 4}),
+        ({"skip_special_tokens": False}, {"skip_special_tokens": False}),
+        ({"spaces_between_special_tokens": False}, {"spaces_between_special_tokens": False}),
+        ({"logprobs": True}, {"logprobs": 0}),
+        ({"logprobs": True, "top_logprobs": 5}, {"logprobs": 5}),
+        ({"guided_json": {"type": "object"}}, {"structured_outputs": {"json": {"type": "object"}}}),
+        ({"guided_regex": "[a-z]+"}, {"structured_outputs": {"regex": "[a-z]+"}}),
+        ({"guided_choice": ["x", "y"]}, {"structured_outputs": {"choice": ["x", "y"]}}),
+        ({"guided_grammar": "root ::= 'a'"}, {"structured_outputs": {"grammar": "root ::= 'a'"}}),
+        ({"response_format": {"type": "json_object"}}, {"structured_outputs": {"json_object": True}}),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "s", "schema": {"type": "array"}},
+                }
+            },
+            {"structured_outputs": {"json": {"type": "array"}}},
+        ),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+                "tool_choice": {"type": "function", "function": {"name": "f"}},
+            },
+            {"structured_outputs": {"json": {"type": "object"}}},
+        ),
     ],
 )
 def test_field_reaches_sampling_params(fields, expected) -> None:
@@ -70,3 +102,29 @@ def test_max_tokens_over_remaining_context() -> None:
     with pytest.raises(InvalidRequest) as exc:
         run({"max_tokens": 91}, prompt=10, context=100)
     assert exc.value.param == "max_tokens"
+
+
+def test_required_tools_constrain_to_an_array_of_calls() -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    spec = run({"tools": tools, "tool_choice": "required", "parallel_tool_calls": False})
+    schema = spec.sampling["structured_outputs"]["json"]
+    assert schema["type"] == "array" and schema["minItems"] == 1 and schema["maxItems"] == 1
+    assert schema["items"]["anyOf"][0]["properties"]["name"] == {"type": "string", "enum": ["f"]}
+
+
+def test_free_text_has_no_constraint_and_no_logprobs() -> None:
+    spec = run({})
+    assert "structured_outputs" not in spec.sampling and "logprobs" not in spec.sampling
+
+
+def test_echo_prefix_only_for_a_final_assistant_message() -> None:
+    from worker.translate import echo_prefix
+
+    body = {
+        "model": "m",
+        "echo": True,
+        "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello, I am"}],
+    }
+    assert echo_prefix(ChatCompletionV2Request.model_validate(body)) == "Hello, I am"
+    body["messages"] = body["messages"][:1]
+    assert echo_prefix(ChatCompletionV2Request.model_validate(body)) == ""
