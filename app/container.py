@@ -13,8 +13,10 @@ from app.db import Database
 from app.events import JobEvents
 from app.queue import JobQueue, create_producer
 from app.schemas.chat import ChatCompletionV2Request
+from app.services.batches import BatchService
 from app.services.chat import ChatService
 from app.services.contract import RequestPolicy
+from app.services.files import FileService
 from app.services.health import HealthService
 from app.services.jobs import JobService
 from app.services.keys import KeyService
@@ -33,6 +35,8 @@ class Services:
     jobs: JobService
     streams: StreamService
     chat: ChatService
+    files: FileService
+    batches: BatchService
     health: HealthService
 
     @property
@@ -76,11 +80,12 @@ def build_services(settings: Settings, *, db_pool_size: int = 10) -> Services:
     served = frozenset({settings.model_name})
     keys = KeyService(db)
     count, context = prompt_counter(settings)
+    policy = RequestPolicy(settings, served, count_prompt=count, max_model_len=context)
     jobs = JobService(
         db,
         queue,
         events,
-        RequestPolicy(settings, served, count_prompt=count, max_model_len=context),
+        policy,
         cancel_wait_seconds=settings.cancel_wait_seconds,
     )
     streams = StreamService(db, redis, Notifier(redis), heartbeat_seconds=settings.sse_heartbeat_seconds)
@@ -94,5 +99,7 @@ def build_services(settings: Settings, *, db_pool_size: int = 10) -> Services:
         jobs=jobs,
         streams=streams,
         chat=ChatService(jobs, streams, wait_seconds=settings.sync_wait_seconds),
+        files=FileService(db, policy, settings),
+        batches=BatchService(db, events),
         health=HealthService(db, redis, served),
     )

@@ -94,13 +94,25 @@ class JobEvents:
     def request_cancel(self, job_id: str) -> None:
         self._redis.publish(CANCEL_CHANNEL, job_id)
 
+    def request_cancels(self, job_ids: list[str], page: int = 1000) -> None:
+        for start in range(0, len(job_ids), page):
+            pipe = self._redis.pipeline(transaction=False)
+            for job_id in job_ids[start : start + page]:
+                pipe.publish(CANCEL_CHANNEL, job_id)
+            pipe.execute()
+
     def append_end(self, job_id: str, event: dict[str, Any]) -> None:
         """Append an end event to the job's log (if no later event is there) and notify."""
-        pipe = self._redis.pipeline(transaction=False)
-        pipe.xadd(job_stream(job_id), {"e": json.dumps(event)}, id=event["id"])
-        pipe.expire(job_stream(job_id), STREAM_EXPIRE_SECONDS)
-        pipe.publish(job_channel(job_id), notification(event["id"], final=True))
-        pipe.execute(raise_on_error=False)
+        self.append_ends([(job_id, event)])
+
+    def append_ends(self, ends: list[tuple[str, dict[str, Any]]], page: int = 1000) -> None:
+        for start in range(0, len(ends), page):
+            pipe = self._redis.pipeline(transaction=False)
+            for job_id, event in ends[start : start + page]:
+                pipe.xadd(job_stream(job_id), {"e": json.dumps(event)}, id=event["id"])
+                pipe.expire(job_stream(job_id), STREAM_EXPIRE_SECONDS)
+                pipe.publish(job_channel(job_id), notification(event["id"], final=True))
+            pipe.execute(raise_on_error=False)
 
     def wait_for_end(self, job_id: str, is_done: Callable[[], bool], timeout: float) -> bool:
         """Block until the job ends or `timeout` seconds pass; True if it ended.

@@ -99,6 +99,24 @@ class Job(Base):
             "model",
             postgresql_where=text("status IN ('queued','running')"),
         ),
+        # The batch feeder's queue: lines not yet sent to the broker, in the order they go.
+        Index(
+            "ix_jobs_undispatched",
+            "model",
+            "priority",
+            "batch_id",
+            "line_no",
+            postgresql_where=text("status = 'queued' AND batch_id IS NOT NULL AND enqueued_at IS NULL"),
+        ),
+        # Batch lines out with the broker or running: what the feeder's window counts.
+        Index(
+            "ix_jobs_dispatched",
+            "model",
+            postgresql_where=text(
+                "batch_id IS NOT NULL AND "
+                "(status = 'running' OR (status = 'queued' AND enqueued_at IS NOT NULL))"
+            ),
+        ),
     )
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
@@ -144,3 +162,84 @@ class Job(Base):
     batch_id: Mapped[str | None] = mapped_column(String(40))
     custom_id: Mapped[str | None] = mapped_column(Text)
     line_no: Mapped[int | None] = mapped_column(Integer)
+
+
+class FilePurpose(StrEnum):
+    BATCH = "batch"
+    BATCH_OUTPUT = "batch_output"
+
+
+class File(Base):
+    """An uploaded input file (its lines in `file_lines`), or a batch's output or error file,
+    whose content is generated from the batch's job rows when read."""
+
+    __tablename__ = "files"
+    __table_args__ = (Index("ix_files_tenant_id_id", "tenant_id", "id"),)
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    purpose: Mapped[str] = mapped_column(String(32))
+    filename: Mapped[str] = mapped_column(Text)
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    line_count: Mapped[int] = mapped_column(Integer, server_default="0")
+    created_at: Mapped[datetime] = mapped_column(server_default=func.now())
+    # Set on output files: which batch's rows, and which of them ("output" or "errors").
+    batch_id: Mapped[str | None] = mapped_column(String(40))
+    batch_part: Mapped[str | None] = mapped_column(String(16))
+
+
+class FileLine(Base):
+    """One line of an input file, as uploaded (after validation)."""
+
+    __tablename__ = "file_lines"
+
+    file_id: Mapped[str] = mapped_column(ForeignKey("files.id", ondelete="CASCADE"), primary_key=True)
+    line_no: Mapped[int] = mapped_column(Integer, primary_key=True)
+    custom_id: Mapped[str] = mapped_column(Text)
+    raw: Mapped[str] = mapped_column(Text)
+
+
+class BatchStatus(StrEnum):
+    VALIDATING = "validating"
+    FAILED = "failed"
+    IN_PROGRESS = "in_progress"
+    FINALIZING = "finalizing"
+    COMPLETED = "completed"
+    EXPIRED = "expired"
+    CANCELLING = "cancelling"
+    CANCELLED = "cancelled"
+
+
+class Batch(Base):
+    __tablename__ = "batches"
+    __table_args__ = (
+        Index("ix_batches_tenant_id_id", "tenant_id", "id"),
+        Index(
+            "ix_batches_active",
+            "status",
+            postgresql_where=text("status IN ('validating','in_progress','cancelling','finalizing')"),
+        ),
+    )
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    endpoint: Mapped[str] = mapped_column(String(64))
+    input_file_id: Mapped[str] = mapped_column(String(40))
+    completion_window: Mapped[str] = mapped_column(String(16))
+    status: Mapped[str] = mapped_column(String(16))
+    metadata_: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON)
+    errors: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    output_file_id: Mapped[str | None] = mapped_column(String(40))
+    error_file_id: Mapped[str | None] = mapped_column(String(40))
+    total: Mapped[int] = mapped_column(Integer, server_default="0")
+    usage: Mapped[dict[str, Any] | None]
+    parent_batch_id: Mapped[str | None] = mapped_column(String(40))
+    created_at: Mapped[datetime] = mapped_column(server_default=func.now())
+    expires_at: Mapped[datetime]
+    in_progress_at: Mapped[datetime | None]
+    finalizing_at: Mapped[datetime | None]
+    completed_at: Mapped[datetime | None]
+    failed_at: Mapped[datetime | None]
+    expired_at: Mapped[datetime | None]
+    cancelling_at: Mapped[datetime | None]
+    cancelled_at: Mapped[datetime | None]

@@ -18,6 +18,7 @@ from redis import Redis
 from app.settings import Settings
 
 RUN_JOB_TASK = "llmq.run_job"
+RUN_JOBS_TASK = "llmq.run_jobs"
 SENT_MARKER = "llmq:sent:{job_id}"
 
 # Redis lists per priority; 0 is consumed first.
@@ -83,9 +84,23 @@ class JobQueue:
         )
         self._redis.set(SENT_MARKER.format(job_id=job_id), 1, ex=self._marker_ttl)
 
-    def forget(self, job_id: str) -> None:
-        """Drop the marker once the job is claimed or finished."""
-        self._redis.delete(SENT_MARKER.format(job_id=job_id))
+    def enqueue_chunk(self, job_ids: list[str], model: str, priority: int) -> None:
+        """One message for a chunk of batch lines, run together by one worker."""
+        self._celery.send_task(
+            RUN_JOBS_TASK,
+            args=[job_ids],
+            queue=queue_name(model),
+            priority=broker_priority(priority, batch_line=True),
+        )
+        pipe = self._redis.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.set(SENT_MARKER.format(job_id=job_id), 1, ex=self._marker_ttl)
+        pipe.execute()
+
+    def forget(self, *job_ids: str) -> None:
+        """Drop the markers once the jobs are claimed or finished."""
+        if job_ids:
+            self._redis.delete(*(SENT_MARKER.format(job_id=j) for j in job_ids))
 
     def missing_markers(self, job_ids: Sequence[str]) -> list[str]:
         """The ids among `job_ids` with no live message marker."""

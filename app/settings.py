@@ -61,6 +61,15 @@ class Settings(BaseSettings):
     max_json_depth: int = Field(default=64, ge=4)
     max_stop_sequences: int = 4
 
+    # Batches.
+    max_upload_bytes: int = Field(default=200 * 1024 * 1024, ge=1024)
+    max_batch_lines: int = Field(default=50_000, ge=1)
+    batch_chunk_size: int = Field(default=32, ge=1, description="Batch lines per broker message.")
+    batch_dispatch_window: int = Field(
+        default=512, ge=1, description="Batch lines sent to the broker and not yet finished, per model."
+    )
+    batch_tick_seconds: float = Field(default=0.2, gt=0, description="How often the batch feeder runs.")
+
     # Templates and tools.
     allow_custom_chat_template: bool = Field(
         default=False,

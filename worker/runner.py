@@ -1,9 +1,11 @@
-"""One job, start to end: claim → translate → generate (streaming chunks) → save, fenced
-by epoch. The end event is published only after Postgres accepted the result."""
+"""Jobs, start to end: claim → translate → generate (streaming chunks) → save, fenced by
+epoch. A single job and a chunk of batch lines take the same path; a chunk is claimed with
+one statement, runs concurrently in the engine, and is saved with one statement. End events
+are published only after Postgres accepted the results."""
 
 from __future__ import annotations
 
-import concurrent.futures
+import asyncio
 import logging
 import threading
 import time
@@ -16,11 +18,11 @@ from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError, SQLAlch
 from app.errors import InvalidRequest, LlmqError
 from app.models import JobStatus
 from app.services.tools import call_id
-from worker.engine import Engine, EngineDead, EngineUpdate, GenerationSpec, PromptTooLong
+from worker.engine import Engine, EngineDead, EngineUpdate, PromptTooLong
 from worker.loop import LoopThread
 from worker.response import ChoiceState, build_completion, build_usage, completion_id, finalize
 from worker.stats import ResourceSampler, generation_stats, power_usage
-from worker.store import Claim, JobStore
+from worker.store import Claim, JobStore, Result
 from worker.streaming import JobStream, StreamPublisher, StreamShape
 from worker.translate import Renderer, Translation, translate
 
@@ -59,6 +61,7 @@ class Outcome:
         self.submitted = time.monotonic()
         self.first_token: float | None = None
         self.last_token: float | None = None
+        self.error: BaseException | None = None
 
     def add(self, update: EngineUpdate) -> None:
         now = time.monotonic()
@@ -90,11 +93,20 @@ def stream_shape(tr: Translation, job_id: str) -> StreamShape:
 
 @dataclass
 class Run:
-    """One attempt at one job: what the claim gave, and where its events go."""
+    """One attempt at one job: what the claim gave, where its events go, what it made."""
 
     claim: Claim
     stream: JobStream
     ctx: dict[str, Any]
+    tr: Translation | None = None
+    item: Inflight | None = None
+    outcome: Outcome | None = None
+    result: Result | None = None
+    handed_back: bool = False
+
+
+def _error(message: str, kind: str, code: str | None = None, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 class JobRunner:
@@ -139,7 +151,7 @@ class JobRunner:
         return self._abort(job_id, "cancelled")
 
     def lose(self, job_id: str) -> None:
-        """Another worker owns the job now (our lease lapsed): stop spending on it."""
+        """Another worker owns the job now (our lease lapsed, or its batch ended): stop."""
         self._abort(job_id, "lost")
 
     def release_all(self, grace_seconds: float) -> int:
@@ -153,100 +165,120 @@ class JobRunner:
             self._abort(item.job_id, "released")
         return len(items)
 
-    # --- the job --------------------------------------------------------------------
+    # --- jobs -------------------------------------------------------------------------
 
     def run(self, job_id: str) -> str | None:
-        """Run `job_id` if it can be claimed; returns the status it ended in, or None
-        when the claim was refused (someone else has it, or it is over)."""
+        """Run one job; the status it ended in, or None when the claim was refused
+        (someone else has it, or it is over) or the result was fenced out."""
+        return self.run_many([job_id]).get(job_id)
+
+    def run_many(self, job_ids: list[str]) -> dict[str, str | None]:
+        """Run the jobs among `job_ids` that can be claimed, all at once in the engine."""
         if self.engine_dead.is_set():
             raise EngineDead("engine is dead; refusing new work")
         cfg = self._config
-        claim = self._store.claim(job_id, cfg.worker_name, cfg.lease_seconds, cfg.max_attempts)
-        if claim is None:
-            log.info("job not claimable; skipped", extra={"job_id": job_id})
-            return None
+        claims = self._store.claim_many(job_ids, cfg.worker_name, cfg.lease_seconds, cfg.max_attempts)
+        quiet = len(job_ids) > 1
+        if len(claims) < len(job_ids):
+            log.info("jobs not claimable; skipped", extra={"count": len(job_ids) - len(claims)})
+        runs = [self._prepare(claim, quiet) for claim in claims]
+        ready = [r for r in runs if r.tr is not None]
+        with self._lock:
+            for r in ready:
+                assert r.item is not None
+                self._inflight[r.claim.job_id] = r.item
+        try:
+            if ready:
+                self._loop.submit(self._drive_all(ready)).result()
+            for r in ready:
+                self._conclude(r)
+        finally:
+            with self._lock:
+                for r in ready:
+                    self._inflight.pop(r.claim.job_id, None)
+        statuses = self._save([r for r in runs if r.result is not None])
+        if any(isinstance(r.outcome and r.outcome.error, EngineDead) for r in ready):
+            self.engine_dead.set()
+            raise EngineDead("the engine died while running jobs; they were handed back")
+        if quiet:
+            log.info("chunk done", extra={"jobs": len(job_ids), "claimed": len(claims), **_count(statuses)})
+        return statuses
+
+    def _prepare(self, claim: Claim, quiet: bool) -> Run:
+        job_id = claim.job_id
         ctx = {"job_id": job_id, "epoch": claim.epoch, "attempt": claim.attempts, "batch_id": claim.batch_id}
-        log.info("job claimed", extra=ctx)
-        request = claim.request
+        log.log(logging.DEBUG if quiet else logging.INFO, "job claimed", extra=ctx)
         header = {
             "id": completion_id(job_id),
             "created": int(claim.created_at.timestamp()),
             "model": claim.model,
-            "system_fingerprint": cfg.system_fingerprint,
+            "system_fingerprint": self._config.system_fingerprint,
         }
-        stream = self._streams.open(job_id, claim.epoch, header)
-        run = Run(claim, stream, ctx)
+        run = Run(claim, self._streams.open(job_id, claim.epoch, header), ctx)
         try:
-            tr = translate(
-                request,
+            run.tr = translate(
+                claim.request,
                 request_id=f"{job_id}-{claim.epoch}",
                 kind=claim.kind,
                 renderer=self._renderer,
                 max_model_len=self._engine.max_model_len(),
-                tool_parser=cfg.tool_parser,
+                tool_parser=self._config.tool_parser,
             )
         except LlmqError as exc:
-            return self._end_failed(run, exc.body())
-        stream.reshape(stream_shape(tr, job_id), tr.spec.n)
-        item = Inflight(job_id, claim.epoch, tr.spec.request_id)
-        with self._lock:
-            self._inflight[job_id] = item
-        try:
-            return self._generate_and_save(run, tr, item)
-        finally:
-            with self._lock:
-                self._inflight.pop(job_id, None)
+            run.result = self._failed(run, exc.body())
+            return run
+        run.stream.reshape(stream_shape(run.tr, job_id), run.tr.spec.n)
+        run.item = Inflight(job_id, claim.epoch, run.tr.spec.request_id)
+        run.outcome = Outcome(run.tr.spec.n)
+        return run
 
-    def _generate_and_save(self, run: Run, tr: Translation, item: Inflight) -> str | None:
-        spec = tr.spec
-        outcome = Outcome(spec.n)
-        future = self._loop.submit(self._drive(spec, outcome, run.stream))
+    async def _drive_all(self, runs: list[Run]) -> None:
+        await asyncio.gather(*(self._drive(r) for r in runs))
+
+    async def _drive(self, run: Run) -> None:
+        assert run.tr is not None and run.outcome is not None
+        outcome, stream = run.outcome, run.stream
+
+        async def generate() -> None:
+            async for update in self._engine.generate(run.tr.spec):  # type: ignore[union-attr]
+                outcome.add(update)
+                stream.add(update)
+
         try:
-            future.result(timeout=self._config.job_timeout_seconds)
-        except concurrent.futures.TimeoutError:
-            self._loop.submit(self._engine.abort(spec.request_id))
-            deadline = self._config.job_timeout_seconds
-            late = InvalidRequest(f"the job ran past its deadline of {deadline:.0f} s", code="timeout")
-            return self._end_failed(run, late.body())
-        except PromptTooLong as exc:
-            too_long = InvalidRequest(str(exc), param="messages", code="context_length_exceeded")
-            return self._end_failed(run, too_long.body())
-        except EngineDead:
-            self.engine_dead.set()
-            self._hand_back(run, "engine died")
-            raise
-        except Exception as exc:
-            log.exception("engine error", extra=run.ctx)
-            error = {
-                "error": {
-                    "message": f"engine error: {exc}",
-                    "type": "engine_error",
-                    "param": None,
-                    "code": None,
-                }
-            }
-            return self._end_failed(run, error)
-        if item.lost.is_set():
-            log.warning("lease lost while running; result discarded", extra=run.ctx)
+            await asyncio.wait_for(generate(), self._config.job_timeout_seconds)
+        except TimeoutError as exc:
+            await self._engine.abort(run.tr.spec.request_id)
+            outcome.error = exc
+        except Exception as exc:  # noqa: BLE001 - kept per job, judged in _conclude
+            outcome.error = exc
+
+    def _conclude(self, run: Run) -> None:
+        """Turn what happened to one run into the result to write (or none)."""
+        assert run.item is not None and run.outcome is not None
+        error = run.outcome.error
+        if isinstance(error, EngineDead) or run.item.released.is_set():
+            run.handed_back = True
+            run.result = Result(run.claim.job_id, run.claim.epoch, JobStatus.QUEUED.value)
+        elif run.item.lost.is_set():
+            log.info("job taken over or ended elsewhere; result discarded", extra=run.ctx)
             self._streams.discard(run.claim.job_id)
-            return None
-        if item.released.is_set():
-            self._hand_back(run, "worker shutting down")
-            return None
-        return self._save(run, tr, outcome, item)
+        elif isinstance(error, TimeoutError):
+            limit = self._config.job_timeout_seconds
+            run.result = self._failed(
+                run, _error(f"the job ran past its deadline of {limit:.0f} s", "timeout", "timeout")
+            )
+        elif isinstance(error, PromptTooLong):
+            body = InvalidRequest(str(error), param="messages", code="context_length_exceeded").body()
+            run.result = self._failed(run, body)
+        elif error is not None:
+            log.error("engine error", extra={**run.ctx, "error": f"{type(error).__name__}: {error}"})
+            run.result = self._failed(run, _error(f"engine error: {error}", "engine_error"))
+        else:
+            run.result = self._succeeded(run)
 
-    async def _drive(self, spec: GenerationSpec, outcome: Outcome, stream: JobStream) -> None:
-        async for update in self._engine.generate(spec):
-            outcome.add(update)
-            stream.add(update)
-
-    def _hand_back(self, run: Run, why: str) -> None:
-        released = self._persist(lambda: self._store.release(run.claim.job_id, run.claim.epoch), run.ctx)
-        self._streams.discard(run.claim.job_id)
-        log.warning("job handed back to the queue", extra={**run.ctx, "why": why, "released": released})
-
-    def _save(self, run: Run, tr: Translation, outcome: Outcome, item: Inflight) -> str | None:
-        claim = run.claim
+    def _succeeded(self, run: Run) -> Result:
+        claim, tr, outcome, item = run.claim, run.tr, run.outcome, run.item
+        assert tr is not None and outcome is not None and item is not None
         ended = time.monotonic()
         samples = self._sampler.window(outcome.submitted, ended)
         stats = generation_stats(
@@ -257,7 +289,6 @@ class JobRunner:
             last_token=outcome.last_token,
             peak_memory_bytes=max(s.memory_bytes for s in samples),
         )
-        power = power_usage(samples, ended - outcome.submitted)
         usage = build_usage(outcome.prompt_tokens, outcome.completion_tokens, outcome.cached_tokens)
         finals = [
             finalize(
@@ -282,63 +313,93 @@ class JobRunner:
         cancelled = item.cancelled.is_set() or any(c.finish_reason == "abort" for c in outcome.choices)
         status = JobStatus.CANCELLED if cancelled else JobStatus.SUCCEEDED
         end = run.stream.end_event(status.value, usage=usage, error=None)
-        events = run.stream.events
-
-        def write() -> bool:
-            if cancelled:
-                return self._store.cancel(
-                    claim.job_id,
-                    claim.epoch,
-                    response=response,
-                    usage=usage,
-                    generation_stats=stats,
-                    events=events,
-                )
-            return self._store.succeed(
-                claim.job_id,
-                claim.epoch,
-                response=response,
-                usage=usage,
-                generation_stats=stats,
-                power_usage=power,
-                events=events,
-            )
-
-        try:
-            ok = self._persist(write, run.ctx)
-        except SQLAlchemyError as exc:
-            log.exception("result could not be stored", extra=run.ctx)
-            error = {
-                "error": {
-                    "message": f"the result could not be stored: {type(exc).__name__}",
-                    "type": "internal_error",
-                    "param": None,
-                    "code": "result_not_stored",
-                }
-            }
-            return self._end_failed(run, error)
-        return self._after_write(run, ok, status, end, completion_tokens=outcome.completion_tokens)
-
-    def _end_failed(self, run: Run, error: dict[str, Any]) -> str | None:
-        end = run.stream.end_event(JobStatus.FAILED.value, usage=None, error=error["error"])
-        events = run.stream.events
-        ok = self._persist(
-            lambda: self._store.fail(run.claim.job_id, run.claim.epoch, error, events), run.ctx
+        return Result(
+            claim.job_id,
+            claim.epoch,
+            status.value,
+            response=response,
+            usage=usage,
+            generation_stats=stats,
+            power_usage=None if cancelled else power_usage(samples, ended - outcome.submitted),
+            events=run.stream.events,
+            end=end,
+            completion_tokens=outcome.completion_tokens,
         )
-        return self._after_write(run, ok, JobStatus.FAILED, end, code=error["error"].get("code"))
 
-    def _after_write(
-        self, run: Run, ok: bool, status: JobStatus, end: dict[str, Any], **extra: Any
-    ) -> str | None:
-        if not ok:
-            log.warning("write refused by the epoch fence; another worker owns the job", extra=run.ctx)
-            self._streams.discard(run.claim.job_id)
-            return None
-        run.stream.publish_end(end)
-        log.info("job %s", status.value, extra={**run.ctx, **extra})
-        return status.value
+    def _failed(self, run: Run, error: dict[str, Any]) -> Result:
+        end = run.stream.end_event(JobStatus.FAILED.value, usage=None, error=error["error"])
+        return Result(
+            run.claim.job_id,
+            run.claim.epoch,
+            JobStatus.FAILED.value,
+            error=error,
+            events=run.stream.events,
+            end=end,
+        )
 
-    def _persist(self, write: Callable[[], bool], ctx: dict[str, Any]) -> bool:
+    # --- saving ---------------------------------------------------------------------------
+
+    def _save(self, runs: list[Run]) -> dict[str, str | None]:
+        """One fenced write for all results; end events for those Postgres accepted."""
+        if not runs:
+            return {}
+        results = [r.result for r in runs if r.result is not None]
+        ctx = {"jobs": len(results)}
+        try:
+            accepted = self._persist(lambda: self._store.finish_many(results), ctx)
+        except SQLAlchemyError:
+            # One row Postgres would not take must not sink the chunk: write them one by
+            # one, and a row that still fails records that its result could not be stored.
+            log.exception("results could not be stored together; writing them one by one", extra=ctx)
+            accepted = set()
+            for run in runs:
+                assert run.result is not None
+                accepted |= self._save_alone(run)
+        statuses: dict[str, str | None] = {}
+        for run in runs:
+            result = run.result
+            assert result is not None
+            job_id = run.claim.job_id
+            if job_id not in accepted:
+                log.info("write refused by the epoch fence; another owner has the job", extra=run.ctx)
+                self._streams.discard(job_id)
+                statuses[job_id] = None
+            elif run.handed_back:
+                self._streams.discard(job_id)
+                log.warning("job handed back to the queue", extra=run.ctx)
+                statuses[job_id] = None
+            else:
+                assert result.end is not None
+                run.stream.publish_end(result.end)
+                level = logging.INFO if len(runs) == 1 else logging.DEBUG
+                log.log(
+                    level,
+                    "job %s",
+                    result.status,
+                    extra={**run.ctx, "completion_tokens": result.completion_tokens},
+                )
+                statuses[job_id] = result.status
+        return statuses
+
+    def _save_alone(self, run: Run) -> set[str]:
+        result = run.result
+        assert result is not None
+        try:
+            return self._persist(lambda: self._store.finish_many([result]), run.ctx)
+        except SQLAlchemyError:
+            log.exception("result could not be stored", extra=run.ctx)
+            if run.handed_back:
+                return set()
+            run.result = Result(
+                result.job_id,
+                result.epoch,
+                JobStatus.FAILED.value,
+                error=_error("the result could not be stored", "internal_error", "result_not_stored"),
+                end=result.end and {**result.end, "status": JobStatus.FAILED.value},
+            )
+            return self._persist(lambda: self._store.finish_many([run.result]), run.ctx)  # type: ignore[list-item]
+
+    def _persist(self, write: Callable[[], set[str]], ctx: dict[str, Any]) -> set[str]:
         """Run a fenced write, retrying with backoff while the database is unreachable
         (a restart, a failover). Other database errors propagate."""
         delay = 0.5
@@ -353,3 +414,11 @@ class JobRunner:
                 log.warning("database unavailable; retrying the write", extra={**ctx, "retry_in": delay})
                 time.sleep(delay)
                 delay = min(delay * 2, 10.0)
+
+
+def _count(statuses: dict[str, str | None]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for status in statuses.values():
+        key = status or "discarded"
+        counts[key] = counts.get(key, 0) + 1
+    return counts

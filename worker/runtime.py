@@ -17,7 +17,9 @@ from app.container import redis_client
 from app.db import Database
 from app.events import JobEvents
 from app.queue import JobQueue, create_producer
+from app.services.batch_lifecycle import BatchLifecycle
 from app.settings import Settings
+from worker.batches import BatchScheduler
 from worker.control import CancelListener, LeaseKeeper, RegistryHeartbeat
 from worker.engine import Engine, InstantEngine
 from worker.loop import LoopThread
@@ -131,6 +133,17 @@ class WorkerRuntime:
             grace_seconds=settings.requeue_grace_seconds,
             interval_seconds=settings.sweeper_interval_seconds,
         )
+        self.batches = BatchScheduler(
+            self.db,
+            BatchLifecycle(
+                self.db,
+                self.queue,
+                self.events,
+                window=settings.batch_dispatch_window,
+                chunk=settings.batch_chunk_size,
+            ),
+            tick_seconds=settings.batch_tick_seconds,
+        )
         self.leases = LeaseKeeper(self.store, self.runner, self.name, settings.lease_seconds)
         self.cancels = CancelListener(self.redis, self.runner)
         self.heartbeat = RegistryHeartbeat(
@@ -159,7 +172,7 @@ class WorkerRuntime:
         log.info("engine ready", extra={"max_model_len": self.engine.max_model_len()})
         self.sampler.start()
         self.streams.start()
-        for part in (self.sweeper, self.leases, self.cancels, self.heartbeat):
+        for part in (self.sweeper, self.batches, self.leases, self.cancels, self.heartbeat):
             part.start()
         threading.Thread(target=self._watch_engine, name="llmq-engine-watch", daemon=True).start()
 
@@ -182,7 +195,15 @@ class WorkerRuntime:
 
     def stop(self) -> None:
         self._stopped.set()
-        for part in (self.heartbeat, self.cancels, self.leases, self.sweeper, self.sampler, self.streams):
+        for part in (
+            self.heartbeat,
+            self.cancels,
+            self.leases,
+            self.batches,
+            self.sweeper,
+            self.sampler,
+            self.streams,
+        ):
             part.stop()
         try:
             self.loop.call(self.engine.close(), timeout=30)

@@ -7,7 +7,8 @@ overwrite the result of the worker that took over.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -44,124 +45,109 @@ class Expired:
     error: dict[str, Any] | None = None
 
 
+@dataclass
+class Result:
+    """What one attempt ends with: written only if the job is still running under `epoch`.
+    Status `queued` hands the job back (shutdown, dead engine)."""
+
+    job_id: str
+    epoch: int
+    status: str
+    response: dict[str, Any] | None = None
+    error: dict[str, Any] | None = None
+    usage: dict[str, Any] | None = None
+    generation_stats: dict[str, Any] | None = None
+    power_usage: dict[str, Any] | None = None
+    events: list[dict[str, Any]] | None = None
+    end: dict[str, Any] | None = field(default=None, repr=False)
+    completion_tokens: int = 0
+
+
+_CLAIM = text(
+    """
+    UPDATE jobs SET
+      status = 'running', epoch = epoch + 1, attempts = attempts + 1,
+      lease_owner = :owner, lease_expires_at = now() + make_interval(secs => :lease),
+      started_at = coalesce(started_at, now())
+    WHERE id = ANY(:ids) AND attempts < :max_attempts AND cancel_requested_at IS NULL
+      AND (status = 'queued' OR (status = 'running' AND lease_expires_at < now()))
+    RETURNING id, epoch, attempts, kind, model, priority, tenant_id, request, created_at, batch_id
+    """
+)
+
+# One statement for a whole chunk; each row is written only under the epoch its claim got.
+# Documents travel as text arrays and are cast to json per column: json keeps text as given
+# (U+0000 included, which a model can produce), where json_to_recordset would not.
+_FINISH = text(
+    """
+    UPDATE jobs AS j SET
+      status = v.status,
+      response = CASE WHEN v.status = 'queued' THEN j.response ELSE CAST(v.response AS json) END,
+      error = CASE WHEN v.status = 'queued' THEN j.error ELSE CAST(v.error AS json) END,
+      usage = CASE WHEN v.status = 'queued' THEN j.usage ELSE CAST(v.usage AS jsonb) END,
+      generation_stats = CASE WHEN v.status = 'queued' THEN j.generation_stats
+                              ELSE CAST(v.stats AS jsonb) END,
+      power_usage = CASE WHEN v.status = 'queued' THEN j.power_usage ELSE CAST(v.power AS jsonb) END,
+      events = CASE WHEN v.status = 'queued' THEN j.events ELSE CAST(v.events AS json) END,
+      succeeded_at = CASE WHEN v.status = 'succeeded' THEN now() ELSE j.succeeded_at END,
+      failed_at = CASE WHEN v.status = 'failed' THEN now() ELSE j.failed_at END,
+      cancelled_at = CASE WHEN v.status = 'cancelled' THEN now() ELSE j.cancelled_at END,
+      enqueued_at = CASE WHEN v.status = 'queued' THEN NULL ELSE j.enqueued_at END,
+      finished_by = CASE WHEN v.status = 'queued' THEN NULL ELSE j.lease_owner END,
+      lease_owner = NULL,
+      lease_expires_at = NULL
+    FROM unnest(
+      CAST(:ids AS text[]), CAST(:epochs AS bigint[]), CAST(:statuses AS text[]), CAST(:responses AS text[]),
+      CAST(:errors AS text[]), CAST(:usages AS text[]), CAST(:stats AS text[]), CAST(:powers AS text[]),
+      CAST(:events AS text[])
+    ) AS v(id, epoch, status, response, error, usage, stats, power, events)
+    WHERE j.id = v.id AND j.epoch = v.epoch AND j.status = 'running'
+    RETURNING j.id
+    """
+)
+
+
+def _doc(value: Any) -> str | None:
+    return None if value is None else json.dumps(value, separators=(",", ":"))
+
+
 class JobStore:
     def __init__(self, db: Database) -> None:
         self._db = db
 
+    def claim_many(
+        self, job_ids: list[str], owner: str, lease_seconds: float, max_attempts: int
+    ) -> list[Claim]:
+        """Take every job among `job_ids` that is queued, or running under an expired
+        lease, and has attempts left; the others belong to someone else or are over."""
+        with self._db.session() as s:
+            rows = s.execute(
+                _CLAIM, {"ids": job_ids, "owner": owner, "lease": lease_seconds, "max_attempts": max_attempts}
+            ).all()
+        by_id = {r.id: Claim(r.id, *r[1:]) for r in rows}
+        return [by_id[j] for j in job_ids if j in by_id]
+
     def claim(self, job_id: str, owner: str, lease_seconds: float, max_attempts: int) -> Claim | None:
-        """Take the job if it is queued, or running under an expired lease, and has
-        attempts left. None means someone else has it, or it is already over."""
-        lease = func.now() + func.make_interval(0, 0, 0, 0, 0, 0, lease_seconds)
-        stmt = (
-            update(Job)
-            .where(
-                Job.id == job_id,
-                Job.attempts < max_attempts,
-                Job.cancel_requested_at.is_(None),
-                (Job.status == JobStatus.QUEUED.value)
-                | ((Job.status == _RUNNING) & (Job.lease_expires_at < func.now())),
-            )
-            .values(
-                status=_RUNNING,
-                epoch=Job.epoch + 1,
-                attempts=Job.attempts + 1,
-                lease_owner=owner,
-                lease_expires_at=lease,
-                started_at=func.coalesce(Job.started_at, func.now()),
-            )
-            .returning(
-                Job.epoch,
-                Job.attempts,
-                Job.kind,
-                Job.model,
-                Job.priority,
-                Job.tenant_id,
-                Job.request,
-                Job.created_at,
-                Job.batch_id,
-            )
-        )
+        claims = self.claim_many([job_id], owner, lease_seconds, max_attempts)
+        return claims[0] if claims else None
+
+    def finish_many(self, results: list[Result]) -> set[str]:
+        """Write every result still owed (the fence refuses the rest); the ids written."""
+        if not results:
+            return set()
+        params = {
+            "ids": [r.job_id for r in results],
+            "epochs": [r.epoch for r in results],
+            "statuses": [r.status for r in results],
+            "responses": [_doc(r.response) for r in results],
+            "errors": [_doc(r.error) for r in results],
+            "usages": [_doc(r.usage) for r in results],
+            "stats": [_doc(r.generation_stats) for r in results],
+            "powers": [_doc(r.power_usage) for r in results],
+            "events": [_doc(r.events) for r in results],
+        }
         with self._db.session() as s:
-            row = s.execute(stmt).first()
-        if row is None:
-            return None
-        return Claim(job_id, *row)
-
-    def _finish(self, job_id: str, epoch: int, values: dict[str, Any]) -> bool:
-        stmt = (
-            update(Job)
-            .where(Job.id == job_id, Job.epoch == epoch, Job.status == _RUNNING)
-            .values({"finished_by": Job.lease_owner, "lease_owner": None, "lease_expires_at": None, **values})
-            .returning(Job.id)
-        )
-        with self._db.session() as s:
-            return s.execute(stmt).first() is not None
-
-    def succeed(
-        self,
-        job_id: str,
-        epoch: int,
-        *,
-        response: dict[str, Any],
-        usage: dict[str, Any],
-        generation_stats: dict[str, Any],
-        power_usage: dict[str, Any] | None,
-        events: list[dict[str, Any]] | None = None,
-    ) -> bool:
-        """Record the result. False when the fence refused it (someone else owns the job)."""
-        return self._finish(
-            job_id,
-            epoch,
-            {
-                "status": JobStatus.SUCCEEDED.value,
-                "succeeded_at": func.now(),
-                "response": response,
-                "usage": usage,
-                "generation_stats": generation_stats,
-                "power_usage": power_usage,
-                "error": None,
-                "events": events,
-            },
-        )
-
-    def fail(
-        self, job_id: str, epoch: int, error: dict[str, Any], events: list[dict[str, Any]] | None = None
-    ) -> bool:
-        return self._finish(
-            job_id,
-            epoch,
-            {"status": JobStatus.FAILED.value, "failed_at": func.now(), "error": error, "events": events},
-        )
-
-    def cancel(
-        self,
-        job_id: str,
-        epoch: int,
-        *,
-        response: dict[str, Any] | None,
-        usage: dict[str, Any] | None,
-        generation_stats: dict[str, Any] | None,
-        events: list[dict[str, Any]] | None = None,
-    ) -> bool:
-        """Record a cancel with the partial text generated so far."""
-        return self._finish(
-            job_id,
-            epoch,
-            {
-                "status": JobStatus.CANCELLED.value,
-                "cancelled_at": func.now(),
-                "response": response,
-                "usage": usage,
-                "generation_stats": generation_stats,
-                "events": events,
-            },
-        )
-
-    def release(self, job_id: str, epoch: int) -> bool:
-        """Give the job back to the queue (worker shutting down or engine dead)."""
-        return self._finish(
-            job_id, epoch, {"status": JobStatus.QUEUED.value, "enqueued_at": None, "finished_by": None}
-        )
+            return {row.id for row in s.execute(_FINISH, params)}
 
     def extend_leases(self, owner: str, lease_seconds: float) -> dict[str, tuple[int, bool]]:
         """Extend every lease `owner` holds; returns {job_id: (epoch, cancel_requested)}."""
@@ -212,20 +198,33 @@ class JobStore:
         return [Expired(*r) for r in rows]
 
     def stale_queued(self, grace_seconds: float, limit: int = 1000) -> list[tuple[Expired, bool]]:
-        """Queued jobs with no message yet (`enqueued_at` null: released or re-queued), and
+        """Single jobs with no message yet (`enqueued_at` null: released or re-queued), and
         queued jobs whose message was last confirmed over `grace_seconds` ago; the flag
-        says which (True: never sent), the caller verifies the others' markers."""
+        says which (True: never sent), the caller verifies the others' markers. Batch lines
+        without a message are the feeder's, not listed here."""
         sql = text(
             """
             SELECT id, status, model, priority, batch_id, enqueued_at IS NULL FROM jobs
             WHERE status = 'queued'
-              AND (enqueued_at IS NULL OR enqueued_at < now() - make_interval(secs => :grace))
+              AND ((batch_id IS NULL AND enqueued_at IS NULL)
+                   OR enqueued_at < now() - make_interval(secs => :grace))
             ORDER BY enqueued_at NULLS FIRST LIMIT :limit
             """
         )
         with self._db.session() as s:
             rows = s.execute(sql, {"grace": grace_seconds, "limit": limit}).all()
         return [(Expired(*r[:5]), bool(r[5])) for r in rows]
+
+    def undispatch(self, job_ids: list[str]) -> None:
+        """Batch lines whose message was lost go back to the feeder."""
+        if not job_ids:
+            return
+        with self._db.session() as s:
+            s.execute(
+                update(Job)
+                .where(Job.id.in_(job_ids), Job.status == JobStatus.QUEUED.value)
+                .values(enqueued_at=None)
+            )
 
     def mark_enqueued(self, job_ids: list[str]) -> None:
         if not job_ids:

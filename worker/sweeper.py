@@ -9,11 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
-
-from sqlalchemy import text
 
 from app.db import Database
 from app.events import JobEvents, end_event
@@ -56,21 +52,9 @@ class Sweeper:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="llmq-sweeper", daemon=True)
 
-    @contextmanager
-    def _exclusive(self) -> Iterator[bool]:
-        """A cluster-wide mutex: a session-level advisory lock on one connection."""
-        with self._db.engine.connect() as conn:
-            got = bool(conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": SWEEP_LOCK_KEY}).scalar())
-            try:
-                yield got
-            finally:
-                if got:
-                    conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": SWEEP_LOCK_KEY})
-                conn.commit()
-
     def sweep_once(self) -> SweepReport:
         report = SweepReport()
-        with self._exclusive() as mine:
+        with self._db.try_lock(SWEEP_LOCK_KEY) as mine:
             if not mine:
                 return report
             for job in self._store.expire_leases(self._max_attempts):
@@ -87,13 +71,16 @@ class Sweeper:
             stale = self._store.stale_queued(self._grace)
             to_check = [job.job_id for job, never_sent in stale if not never_sent]
             missing = set(self._queue.missing_markers(to_check))
+            lost_lines = []
             for job, never_sent in stale:
-                if never_sent or job.job_id in missing:
-                    self._queue.enqueue(
-                        job.job_id, job.model, job.priority, batch_line=job.batch_id is not None
-                    )
+                if job.batch_id is not None and job.job_id in missing:
+                    lost_lines.append(job.job_id)  # the feeder sends it again, in a chunk
+                elif never_sent or job.job_id in missing:
+                    self._queue.enqueue(job.job_id, job.model, job.priority)
                     report.resent += 1
-            self._store.mark_enqueued([job.job_id for job, _ in stale])
+            self._store.mark_enqueued([job.job_id for job, _ in stale if job.job_id not in lost_lines])
+            self._store.undispatch(lost_lines)
+            report.resent += len(lost_lines)
         if report.requeued or report.failed or report.cancelled or report.resent:
             log.info("sweep", extra=vars(report))
         return report

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from celery import Celery
 
-from app.queue import RUN_JOB_TASK
+from app.queue import RUN_JOB_TASK, RUN_JOBS_TASK
 from worker import runtime
 
 
@@ -15,3 +15,11 @@ def register_tasks(app: Celery) -> None:
         status = rt.runner.run(job_id)
         rt.queue.forget(job_id)
         return status
+
+    @app.task(name=RUN_JOBS_TASK, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
+    def run_jobs(job_ids: list[str]) -> int:
+        """A chunk of batch lines, run together in the engine."""
+        rt = runtime.current()
+        statuses = rt.runner.run_many(job_ids)
+        rt.queue.forget(*job_ids)
+        return sum(1 for s in statuses.values() if s is not None)

@@ -10,7 +10,7 @@ from app.settings import Settings
 
 def create_app(settings: Settings | None = None, *, services: Services | None = None) -> Flask:
     """Build the WSGI app. Importing this package connects to nothing."""
-    from app.api import chat, errors, health, jobs, models, openapi
+    from app.api import batches, chat, errors, files, health, jobs, models, openapi
     from app.logs import configure_logging
 
     settings = settings or (services.settings if services else Settings())
@@ -20,6 +20,6 @@ def create_app(settings: Settings | None = None, *, services: Services | None = 
     app.extensions["llmq"] = services or build_services(settings)
 
     errors.register(app)
-    for blueprint in (health.bp, jobs.bp, chat.bp, models.bp, openapi.bp):
+    for blueprint in (health.bp, jobs.bp, chat.bp, files.bp, batches.bp, models.bp, openapi.bp):
         app.register_blueprint(blueprint)
     return app

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -40,6 +41,37 @@ class LlmqClient:
 
     def get_job(self, job_id: str) -> dict[str, Any]:
         return dict(self.request("GET", f"/v2/jobs/{job_id}"))
+
+    def upload_batch_file(self, path: Path) -> dict[str, Any]:
+        with path.open("rb") as f:
+            return dict(
+                self.request("POST", "/v1/files", data={"purpose": "batch"}, files={"file": (path.name, f)})
+            )
+
+    def create_batch(
+        self, file_id: str, *, window: str, endpoint: str = "/v1/chat/completions"
+    ) -> dict[str, Any]:
+        body = {"input_file_id": file_id, "endpoint": endpoint, "completion_window": window}
+        return dict(self.request("POST", "/v1/batches", json=body))
+
+    def get_batch(self, batch_id: str) -> dict[str, Any]:
+        return dict(self.request("GET", f"/v1/batches/{batch_id}"))
+
+    def cancel_batch(self, batch_id: str) -> dict[str, Any]:
+        return dict(self.request("POST", f"/v1/batches/{batch_id}/cancel"))
+
+    def download(self, file_id: str, path: Path) -> int:
+        """Stream a file's content to `path`; returns the number of lines."""
+        lines = 0
+        with self._http.stream("GET", f"/v1/files/{file_id}/content") as r:
+            if r.status_code >= 400:
+                r.read()
+                raise ApiError(r.status_code, r.json())
+            with path.open("wb") as out:
+                for chunk in r.iter_bytes():
+                    out.write(chunk)
+                    lines += chunk.count(b"\n")
+        return lines
 
     def close(self) -> None:
         self._http.close()

@@ -1,71 +1,55 @@
-"""The sample run of the README's first command: each request of a JSONL file goes through
-the running service as a job; answers and measured stats are printed as they finish."""
+"""The sample run of the README's first command: the sample file goes through the running
+service as a batch (upload, create, follow, download), then each answer is printed with the
+statistics the worker measured for it."""
 
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
+from app.cli.batch import submit
 from app.cli.client import LlmqClient
 
-TERMINAL = {"succeeded", "failed", "cancelled", "expired"}
 
-
-def read_requests(path: Path) -> list[tuple[str, dict[str, Any]]]:
-    """Batch-format lines (`custom_id`, `body`) or bare request bodies."""
-    out = []
-    for i, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        obj = json.loads(line)
-        out.append((obj.get("custom_id", f"line-{i}"), obj.get("body", obj)))
-    return out
-
-
-def run_demo(base_url: str, api_key: str, path: Path, *, model: str | None = None) -> list[dict[str, Any]]:
+def run_demo(base_url: str, api_key: str, path: Path, *, model: str | None = None) -> dict[str, Any]:
     client = LlmqClient(base_url, api_key)
-    requests = read_requests(path)
+    work = Path(tempfile.mkdtemp(prefix="llmq-demo-")) / path.name
+    shutil.copy(path, work)
     if model:
-        for _, body in requests:
-            body["model"] = model
+        lines = [json.loads(x) for x in work.read_text().splitlines() if x.strip()]
+        for line in lines:
+            line["body"]["model"] = model
+        work.write_text("".join(json.dumps(x) + "\n" for x in lines))
     started = time.monotonic()
-    jobs = {client.submit_job(body)["id"]: cid for cid, body in requests}
-    print(f"submitted {len(jobs)} jobs from {path}", flush=True)
-    done: dict[str, dict[str, Any]] = {}
-    with tqdm(total=len(jobs), unit="job", desc="running") as bar:
-        while len(done) < len(jobs):
-            for job_id in jobs:
-                if job_id in done:
-                    continue
-                job = client.get_job(job_id)
-                if job["status"] in TERMINAL:
-                    done[job_id] = job
-                    bar.update(1)
-            time.sleep(0.3)
+    batch = submit(client, work, window="1h", wait=True)
     wall = time.monotonic() - started
-    total_tokens = 0
-    for job_id, cid in jobs.items():
-        job = done[job_id]
-        print(f"\n[{cid}] {job['status']}")
-        if job.get("response"):
-            print(
-                "  "
-                + (job["response"]["choices"][0]["message"]["content"] or "").strip().replace("\n", "\n  ")
-            )
-        if job.get("error"):
-            print(f"  error: {job['error']['message']}")
-        stats = job.get("generation_stats") or {}
-        if stats:
-            total_tokens += stats["generation_tokens"]
-            print(
-                f"  stats: {stats['prompt_tokens']} prompt tok, {stats['generation_tokens']} generated tok, "
-                f"{stats['generation_tps']:.1f} tok/s, prompt {stats['prompt_tps']:.0f} tok/s, "
-                f"peak memory {stats['peak_memory_usage']['inBytes'] / 2**20:.0f} MiB"
-            )
-    print(f"\n{len(done)} jobs in {wall:.1f}s, {total_tokens / wall:.1f} generated tok/s overall")
+    out = work.with_name(work.stem + ".output.jsonl")
+    generated = 0
+    for raw in out.read_text().splitlines() if out.exists() else []:
+        line = json.loads(raw)
+        answer = line["response"]["body"]["choices"][0]["message"]["content"] or ""
+        stats = client.get_job(line["response"]["request_id"])["generation_stats"] or {}
+        generated += stats.get("generation_tokens", 0)
+        print(f"\n[{line['custom_id']}]\n  " + answer.strip().replace("\n", "\n  "))
+        print(
+            f"  stats: {stats.get('prompt_tokens')} prompt tokens, "
+            f"{stats.get('generation_tokens')} generated, "
+            f"{stats.get('generation_tps', 0):.1f} tok/s, "
+            f"prompt {stats.get('prompt_tps', 0):.0f} tok/s, "
+            f"peak memory {stats.get('peak_memory_usage', {}).get('inBytes', 0) / 2**20:.0f} MiB"
+        )
+    errors = work.with_name(work.stem + ".errors.jsonl")
+    for raw in errors.read_text().splitlines() if errors.exists() else []:
+        line = json.loads(raw)
+        print(f"\n[{line['custom_id']}] failed: {json.dumps(line['response'] or line['error'])}")
+    print(
+        f"\n{batch['request_counts']['completed']} of {batch['request_counts']['total']} "
+        f"requests in {wall:.1f}s, "
+        f"{generated / wall:.1f} generated tok/s overall; files in {work.parent}"
+    )
     client.close()
-    return list(done.values())
+    return batch

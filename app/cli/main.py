@@ -126,6 +126,59 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- batches ------------------------------------------------------------------------------
+
+
+def _client(args: argparse.Namespace) -> Any:
+    """URL and key from the flags, the environment, or a running `llmq up`'s data dir."""
+    from app.cli.client import LlmqClient
+
+    data_dir = Path(getattr(args, "data_dir", None) or DEFAULT_DATA_DIR)
+    url = args.url or os.environ.get("LLMQ_URL")
+    key = args.key or os.environ.get("LLMQ_API_KEY") or Settings().bootstrap_api_key
+    runtime = data_dir / RUNTIME_FILE
+    if not url and runtime.exists():
+        url = json.loads(runtime.read_text()).get("base_url")
+    if not key and (data_dir / "api_key").exists():
+        key = (data_dir / "api_key").read_text().strip()
+    if not url or not key:
+        raise RuntimeError(
+            "no service to talk to: pass --url and --key (or LLMQ_URL, LLMQ_API_KEY), or run `llmq up`"
+        )
+    return LlmqClient(url, key)
+
+
+def cmd_batch_submit(args: argparse.Namespace) -> int:
+    from app.cli.batch import submit
+
+    batch = submit(_client(args), Path(args.file), window=args.window, wait=args.wait)
+    return 0 if batch["status"] in ("completed", "in_progress", "validating") else 1
+
+
+def cmd_batch_status(args: argparse.Namespace) -> int:
+    batch = _client(args).get_batch(args.batch_id)
+    print(json.dumps(batch, indent=2))
+    return 0
+
+
+def cmd_batch_cancel(args: argparse.Namespace) -> int:
+    batch = _client(args).cancel_batch(args.batch_id)
+    print(f"batch {batch['id']}: {batch['status']}")
+    return 0
+
+
+def cmd_batch_download(args: argparse.Namespace) -> int:
+    from app.cli.batch import download
+
+    client = _client(args)
+    batch = client.get_batch(args.batch_id)
+    if not (batch.get("output_file_id") or batch.get("error_file_id")):
+        print(f"batch {batch['id']} is {batch['status']}: no output or error file yet")
+        return 1
+    download(client, batch, Path(args.output_dir) / batch["id"])
+    return 0
+
+
 # --- keys -------------------------------------------------------------------------------
 
 
@@ -248,6 +301,42 @@ def build_parser() -> argparse.ArgumentParser:
     kr.add_argument("key_id")
     kr.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
     kr.set_defaults(func=cmd_keys_revoke)
+
+    batch = sub.add_parser("batch", help="submit JSONL batches and follow them (OpenAI Batch API)")
+    batch_sub = batch.add_subparsers(dest="batch_command", required=True, metavar="ACTION")
+
+    def client_args(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument(
+            "--url", default=None, help="llmq base URL (default: LLMQ_URL or the running `llmq up`)"
+        )
+        sp.add_argument(
+            "--key", default=None, help="API key (default: LLMQ_API_KEY or the running `llmq up`)"
+        )
+        sp.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
+
+    bs = batch_sub.add_parser(
+        "submit",
+        help="upload FILE.jsonl, create a batch; with --wait follow it and write FILE.output/errors.jsonl",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    bs.add_argument("file")
+    bs.add_argument("--wait", action="store_true", help="follow with a progress bar and download the results")
+    bs.add_argument("--window", default="24h", help="completion window (e.g. 24h, 30m)")
+    client_args(bs)
+    bs.set_defaults(func=cmd_batch_submit)
+    for name, func, text in (
+        ("status", cmd_batch_status, "print a batch object"),
+        ("cancel", cmd_batch_cancel, "cancel a batch (finished lines are kept)"),
+        ("download", cmd_batch_download, "write a batch's output and error files"),
+    ):
+        bp = batch_sub.add_parser(name, help=text)
+        bp.add_argument("batch_id")
+        if name == "download":
+            bp.add_argument(
+                "--output-dir", default=".", help="where BATCH_ID.output.jsonl and .errors.jsonl go"
+            )
+        client_args(bp)
+        bp.set_defaults(func=func)
 
     model = sub.add_parser("model", help="build or prepare model folders")
     model_sub = model.add_subparsers(dest="model_command", required=True, metavar="ACTION")

@@ -125,9 +125,12 @@ class RequestPolicy:
         self._count_prompt = count_prompt
         self._max_model_len = max_model_len
 
-    def check(self, req: ChatCompletionV2Request, *, streaming: bool = False) -> None:
+    def check(
+        self, req: ChatCompletionV2Request, *, streaming: bool = False, count_tokens: bool = True
+    ) -> None:
         """`streaming`: the endpoint can answer `stream: true` (the chat endpoints can;
         `POST /v2/jobs` answers 202 and streams from `/v2/jobs/<id>/stream`).
+        `count_tokens`: off for batch lines, where a prompt over the context fails its own line.
 
         Raises:
             NotFound: `model` is not served here.
@@ -153,7 +156,8 @@ class RequestPolicy:
         self._check_output(req)
         self._check_bounds(req)
         self._check_messages(req)
-        self._check_prompt_length(req)
+        if count_tokens:
+            self._check_prompt_length(req)
 
     def _check_fields(self, req: ChatCompletionV2Request) -> None:
         dumped = req.model_dump(exclude_none=True, by_alias=True)

@@ -5,11 +5,11 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from worker.store import Claim
+from worker.store import Claim, Result
 
 
 class FakeStore:
-    """The JobStore contract: claim bumps the epoch; writes are fenced by it."""
+    """The JobStore contract: claims bump the epoch; results are fenced by it."""
 
     def __init__(self) -> None:
         self.jobs: dict[str, dict[str, Any]] = {}
@@ -17,42 +17,47 @@ class FakeStore:
     def add(self, job_id: str, request: dict[str, Any], kind: str = "chat") -> None:
         self.jobs[job_id] = {"status": "queued", "epoch": 0, "attempts": 0, "request": request, "kind": kind}
 
-    def claim(self, job_id: str, owner: str, lease_seconds: float, max_attempts: int) -> Claim | None:
-        job = self.jobs.get(job_id)
-        if job is None or job["status"] != "queued" or job["attempts"] >= max_attempts:
-            return None
-        job.update(status="running", epoch=job["epoch"] + 1, attempts=job["attempts"] + 1, owner=owner)
-        return Claim(
-            job_id,
-            job["epoch"],
-            job["attempts"],
-            job["kind"],
-            "m",
-            0,
-            "t",
-            job["request"],
-            datetime.now(UTC),
-            None,
-        )
+    def claim_many(
+        self, job_ids: list[str], owner: str, lease_seconds: float, max_attempts: int
+    ) -> list[Claim]:
+        claims = []
+        for job_id in job_ids:
+            job = self.jobs.get(job_id)
+            if job is None or job["status"] != "queued" or job["attempts"] >= max_attempts:
+                continue
+            job.update(status="running", epoch=job["epoch"] + 1, attempts=job["attempts"] + 1, owner=owner)
+            claims.append(
+                Claim(
+                    job_id,
+                    job["epoch"],
+                    job["attempts"],
+                    job["kind"],
+                    "m",
+                    0,
+                    "t",
+                    job["request"],
+                    datetime.now(UTC),
+                    None,
+                )
+            )
+        return claims
 
-    def _finish(self, job_id: str, epoch: int, **values: Any) -> bool:
-        job = self.jobs[job_id]
-        if job["epoch"] != epoch or job["status"] != "running":
-            return False
-        job.update(values)
-        return True
-
-    def succeed(self, job_id: str, epoch: int, **values: Any) -> bool:
-        return self._finish(job_id, epoch, status="succeeded", **values)
-
-    def fail(self, job_id: str, epoch: int, error: dict[str, Any], events: Any = None) -> bool:
-        return self._finish(job_id, epoch, status="failed", error=error, events=events)
-
-    def cancel(self, job_id: str, epoch: int, **values: Any) -> bool:
-        return self._finish(job_id, epoch, status="cancelled", **values)
-
-    def release(self, job_id: str, epoch: int) -> bool:
-        return self._finish(job_id, epoch, status="queued")
+    def finish_many(self, results: list[Result]) -> set[str]:
+        written = set()
+        for r in results:
+            job = self.jobs[r.job_id]
+            if job["epoch"] != r.epoch or job["status"] != "running":
+                continue
+            job.update(
+                status=r.status,
+                response=r.response,
+                error=r.error,
+                usage=r.usage,
+                generation_stats=r.generation_stats,
+                events=r.events,
+            )
+            written.add(r.job_id)
+        return written
 
 
 class FakeStreams:

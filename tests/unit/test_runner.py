@@ -152,3 +152,16 @@ def test_failed_job_ends_its_stream_with_the_error(loop: LoopThread) -> None:
     assert runner.run("job_long") == "failed"
     (end,) = streams.shipped["job_long"]
     assert end["type"] == "end" and end["error"]["code"] == "context_length_exceeded"
+
+
+def test_a_chunk_runs_together_and_one_bad_line_fails_alone(loop: LoopThread) -> None:
+    store, streams = FakeStore(), FakeStreams()
+    for i in range(6):
+        content = "x" * 100 if i == 3 else f"line {i}"
+        store.add(f"job_{i}", body(messages=[{"role": "user", "content": content}], max_tokens=3))
+    runner = make_runner(loop, InstantEngine(context=50), store, streams)
+    statuses = runner.run_many([f"job_{i}" for i in range(6)] + ["job_missing"])
+    assert statuses == {f"job_{i}": ("failed" if i == 3 else "succeeded") for i in range(6)}
+    assert store.jobs["job_3"]["error"]["error"]["code"] == "context_length_exceeded"
+    assert all(store.jobs[f"job_{i}"]["usage"]["completion_tokens"] == 3 for i in range(6) if i != 3)
+    assert sorted(j for j, _ in streams.ended) == [f"job_{i}" for i in range(6)]

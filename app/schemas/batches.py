@@ -1,0 +1,157 @@
+"""OpenAI Files and Batches shapes, and the JSONL lines going in and out."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from app.schemas.base import WireModel
+from app.schemas.chat import ChatCompletionV2Request
+
+BATCH_ENDPOINTS = ("/v1/chat/completions", "/v2/chat/completions")
+
+
+class BatchInputLine(WireModel):
+    """One line of an input file."""
+
+    custom_id: str = Field(min_length=1, max_length=512)
+    method: Literal["POST"]
+    url: str
+    body: ChatCompletionV2Request
+
+
+class FileObject(WireModel):
+    id: str
+    object: Literal["file"] = "file"
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: str
+    status: Literal["processed"] = "processed"
+    status_details: str | None = None
+    expires_at: int | None = None
+
+
+class FileList(WireModel):
+    object: Literal["list"] = "list"
+    data: list[FileObject]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool = False
+
+
+class FileDeleted(WireModel):
+    id: str
+    object: Literal["file"] = "file"
+    deleted: bool
+
+
+class BatchLineError(WireModel):
+    """OpenAI's `BatchError`: what is wrong, and on which line."""
+
+    code: str
+    message: str
+    param: str | None = None
+    line: int | None = None
+
+
+class BatchErrors(WireModel):
+    object: Literal["list"] = "list"
+    data: list[BatchLineError]
+
+
+class BatchCreate(WireModel):
+    input_file_id: str
+    endpoint: str
+    completion_window: str = Field(pattern=r"^[1-9][0-9]{0,3}[mh]$")
+    metadata: dict[str, str] | None = None
+
+
+class RequestCounts(WireModel):
+    total: int
+    completed: int
+    failed: int
+
+
+class InputTokensDetails(WireModel):
+    cached_tokens: int = 0
+
+
+class OutputTokensDetails(WireModel):
+    reasoning_tokens: int = 0
+
+
+class BatchUsage(WireModel):
+    input_tokens: int
+    output_tokens: int
+    total_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens_details: OutputTokensDetails
+
+
+class BatchProgress(WireModel):
+    queued: int = 0
+    running: int = 0
+    succeeded: int = 0
+    failed: int = 0
+    cancelled: int = 0
+    expired: int = 0
+
+
+class BatchObject(WireModel):
+    id: str
+    object: Literal["batch"] = "batch"
+    endpoint: str
+    errors: BatchErrors | None = None
+    input_file_id: str
+    completion_window: str
+    status: str
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+    created_at: int
+    in_progress_at: int | None = None
+    expires_at: int | None = None
+    finalizing_at: int | None = None
+    completed_at: int | None = None
+    failed_at: int | None = None
+    expired_at: int | None = None
+    cancelling_at: int | None = None
+    cancelled_at: int | None = None
+    request_counts: RequestCounts
+    metadata: dict[str, Any] | None = None
+    usage: BatchUsage | None = None
+    model: str | None = None
+    # llmq's extensions.
+    x_progress: BatchProgress
+    x_output_tokens_per_second: float | None = None
+    x_estimated_seconds_left: float | None = None
+    x_parent_batch_id: str | None = None
+
+
+class BatchList(WireModel):
+    object: Literal["list"] = "list"
+    data: list[BatchObject]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool = False
+
+
+class OutputResponse(WireModel):
+    status_code: int
+    request_id: str
+    body: dict[str, Any]
+
+
+class OutputError(WireModel):
+    code: str
+    message: str
+
+
+class BatchOutputLine(WireModel):
+    """One line of an output or error file (OpenAI's `BatchRequestOutput`)."""
+
+    id: str
+    custom_id: str
+    response: OutputResponse | None = None
+    error: OutputError | None = None

@@ -1,0 +1,170 @@
+"""What moves batches along without a request: feeding their lines to the broker at a
+bounded rate, ending them at their deadline, and finalizing them when no line is left.
+Run by workers (worker/batches.py), one at a time under Postgres advisory locks."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import select, text, update
+
+from app.db import Database
+from app.events import JobEvents
+from app.ids import new_id
+from app.models import Batch, BatchStatus, File, FilePurpose, JobStatus
+from app.queue import JobQueue
+from app.services.batches import BATCH_COUNTS, end_lines, output_lines, tell_ended
+
+log = logging.getLogger("llmq.batches")
+
+_MODELS_WAITING = text(
+    "SELECT DISTINCT model FROM jobs WHERE status = 'queued' AND batch_id IS NOT NULL AND enqueued_at IS NULL"
+)
+_OUTSTANDING = text(
+    "SELECT count(*) FROM jobs WHERE model = :model AND batch_id IS NOT NULL "
+    "AND (status = 'running' OR (status = 'queued' AND enqueued_at IS NOT NULL))"
+)
+_TAKE = text(
+    """
+    UPDATE jobs SET enqueued_at = now()
+    WHERE id IN (
+      SELECT id FROM jobs
+      WHERE model = :model AND status = 'queued' AND batch_id IS NOT NULL AND enqueued_at IS NULL
+      ORDER BY priority, batch_id, line_no LIMIT :room FOR UPDATE SKIP LOCKED)
+    RETURNING id, priority, batch_id, line_no
+    """
+)
+
+
+@dataclass
+class FeedReport:
+    lines: int = 0
+    messages: int = 0
+
+
+class BatchLifecycle:
+    def __init__(self, db: Database, queue: JobQueue, events: JobEvents, *, window: int, chunk: int) -> None:
+        self._db = db
+        self._queue = queue
+        self._events = events
+        self._window = window
+        self._chunk = chunk
+
+    def feed(self) -> FeedReport:
+        """Send waiting batch lines to the broker, in priority and line order, while fewer
+        than `window` lines per model are out (sent or running). A 50,000-line batch thus
+        never floods Redis, and single jobs (sent at once, at a higher broker priority)
+        never wait behind it."""
+        report = FeedReport()
+        with self._db.session() as s:
+            models = list(s.scalars(_MODELS_WAITING))
+        for model in models:
+            with self._db.session() as s:
+                room = self._window - int(s.scalar(_OUTSTANDING, {"model": model}) or 0)
+                if room < min(self._chunk, self._window):
+                    continue
+                taken = s.execute(_TAKE, {"model": model, "room": room}).all()
+            rows = sorted(taken, key=lambda r: (r.priority, r.batch_id, r.line_no))
+            for start in range(0, len(rows), self._chunk):
+                chunk = rows[start : start + self._chunk]
+                # If this send fails, the sweeper finds the lines without a message and
+                # gives them back to the feeder.
+                self._queue.enqueue_chunk([r.id for r in chunk], model, min(r.priority for r in chunk))
+                report.messages += 1
+            report.lines += len(rows)
+        return report
+
+    def expire_due(self) -> int:
+        """End batches past their completion window: unfinished lines become expired
+        (running ones fenced off and aborted), finished work stays."""
+        now = datetime.now(UTC)
+        with self._db.session() as s:
+            due = list(
+                s.scalars(
+                    select(Batch.id).where(
+                        Batch.status == BatchStatus.IN_PROGRESS.value,
+                        Batch.expires_at < now,
+                        Batch.expired_at.is_(None),
+                    )
+                )
+            )
+            if due:
+                s.execute(update(Batch).where(Batch.id.in_(due)).values(expired_at=now))
+        for batch_id in due:
+            ended = end_lines(self._db, batch_id, JobStatus.EXPIRED)
+            tell_ended(self._events, ended, JobStatus.EXPIRED)
+            log.warning("batch expired", extra={"batch_id": batch_id, "lines_expired": len(ended)})
+        return len(due)
+
+    def finalize_done(self) -> int:
+        """Batches with no line left to run get their output and error files and their
+        final status: completed, cancelled (was cancelling) or expired."""
+        with self._db.session() as s:
+            candidates = list(
+                s.scalars(
+                    text(
+                        "SELECT b.id FROM batches b WHERE b.status IN ('in_progress', 'cancelling') "
+                        "AND NOT EXISTS "
+                        "(SELECT 1 FROM jobs j WHERE j.batch_id = b.id AND j.status IN ('queued', 'running'))"
+                    )
+                )
+            )
+        for batch_id in candidates:
+            self._finalize(batch_id)
+        return len(candidates)
+
+    def _finalize(self, batch_id: str) -> None:
+        now = datetime.now(UTC)
+        with self._db.session() as s:
+            batch = s.scalar(select(Batch).where(Batch.id == batch_id).with_for_update())
+            if batch is None or batch.status not in (
+                BatchStatus.IN_PROGRESS.value,
+                BatchStatus.CANCELLING.value,
+            ):
+                return
+            counts = {row.status: row for row in s.execute(BATCH_COUNTS, {"batch": batch_id})}
+            batch.finalizing_at = now
+            succeeded = counts[JobStatus.SUCCEEDED.value].n if JobStatus.SUCCEEDED.value in counts else 0
+            others = sum(row.n for status, row in counts.items() if status != JobStatus.SUCCEEDED.value)
+            if succeeded:
+                batch.output_file_id = self._output_file(s, batch, "output")
+            if others:
+                batch.error_file_id = self._output_file(s, batch, "errors")
+            values: dict[str, Any]
+            if batch.status == BatchStatus.CANCELLING.value:
+                values = {"status": BatchStatus.CANCELLED.value, "cancelled_at": now}
+            elif batch.expired_at is not None:
+                values = {"status": BatchStatus.EXPIRED.value}
+            else:
+                values = {"status": BatchStatus.COMPLETED.value, "completed_at": now}
+            for key, value in values.items():
+                setattr(batch, key, value)
+        log.info(
+            "batch finalized",
+            extra={
+                "batch_id": batch_id,
+                "status": values["status"],
+                "succeeded": succeeded,
+                "not_succeeded": others,
+            },
+        )
+
+    def _output_file(self, s: Any, batch: Batch, part: str) -> str:
+        file_id = new_id("file")
+        size = sum(len(line) for line in output_lines(self._db, batch.id, part))
+        s.add(
+            File(
+                id=file_id,
+                tenant_id=batch.tenant_id,
+                purpose=FilePurpose.BATCH_OUTPUT.value,
+                filename=f"{batch.id}_{part}.jsonl",
+                bytes=size,
+                line_count=0,
+                batch_id=batch.id,
+                batch_part=part,
+            )
+        )
+        return file_id

@@ -1,0 +1,435 @@
+"""OpenAI Batches on job rows: creating a batch turns its file's lines into jobs with one
+INSERT ... SELECT; progress, output and error files are read from those rows."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from typing import Any, cast
+
+from sqlalchemy import select, text, update
+
+from app.db import Database
+from app.errors import Conflict, InvalidRequest, NotFound
+from app.events import JobEvents, end_event
+from app.ids import new_id
+from app.models import Batch, BatchStatus, File, FilePurpose, Job, JobStatus
+from app.schemas.batches import (
+    BATCH_ENDPOINTS,
+    BatchCreate,
+    BatchErrors,
+    BatchList,
+    BatchObject,
+    BatchProgress,
+    BatchUsage,
+    InputTokensDetails,
+    OutputTokensDetails,
+    RequestCounts,
+)
+from app.services.keys import Principal
+from app.services.parsing import parse_model
+
+log = logging.getLogger("llmq.batches")
+
+MAX_METADATA_PAIRS = 16
+ACTIVE = (BatchStatus.VALIDATING.value, BatchStatus.IN_PROGRESS.value, BatchStatus.CANCELLING.value)
+LINE_ERRORS = {
+    JobStatus.CANCELLED.value: ("batch_cancelled", "the batch was cancelled before this request finished"),
+    JobStatus.EXPIRED.value: (
+        "batch_expired",
+        "the batch's completion window ended before this request finished",
+    ),
+}
+
+_CREATE_JOBS = text(
+    """
+    INSERT INTO jobs (id, tenant_id, kind, status, priority, model, request, metadata, attempts, epoch,
+                      created_at, enqueued_at, batch_id, custom_id, line_no)
+    SELECT 'job_' || :suffix || '_' || lpad(fl.line_no::text, 6, '0'), :tenant, 'chat', 'queued',
+           coalesce((b->>'priority')::int, 0), b->>'model', b, b->'metadata', 0, 0, now(), NULL,
+           :batch, fl.custom_id, fl.line_no
+    FROM file_lines fl, LATERAL (SELECT (fl.raw::json)->'body' AS b) body
+    WHERE fl.file_id = :file
+    """
+)
+
+BATCH_COUNTS = text(
+    """
+    SELECT status, count(*) AS n,
+           coalesce(sum((usage->>'prompt_tokens')::bigint), 0) AS prompt,
+           coalesce(sum((usage->>'completion_tokens')::bigint), 0) AS completion,
+           coalesce(sum((usage->'prompt_tokens_details'->>'cached_tokens')::bigint), 0) AS cached
+    FROM jobs WHERE batch_id = :batch GROUP BY status
+    """
+)
+
+
+def _ts(value: datetime | None) -> int | None:
+    return int(value.timestamp()) if value is not None else None
+
+
+def window_seconds(window: str) -> int:
+    match = re.fullmatch(r"([1-9][0-9]{0,3})([mh])", window)
+    if match is None:
+        raise InvalidRequest("completion_window must look like 24h or 30m", param="completion_window")
+    return int(match.group(1)) * (3600 if match.group(2) == "h" else 60)
+
+
+class BatchService:
+    def __init__(self, db: Database, events: JobEvents) -> None:
+        self._db = db
+        self._events = events
+
+    # --- create -------------------------------------------------------------------------
+
+    def create(self, principal: Principal, payload: Any, *, parent: str | None = None) -> BatchObject:
+        """Raises:
+        InvalidRequest: bad fields, an endpoint the file's lines do not use, too much metadata.
+        NotFound: no such input file for this tenant.
+        """
+        req = parse_model(BatchCreate, payload)
+        if req.endpoint not in BATCH_ENDPOINTS:
+            raise InvalidRequest(
+                f"endpoint {req.endpoint!r} is not supported ({', '.join(BATCH_ENDPOINTS)})", param="endpoint"
+            )
+        self._check_metadata(req.metadata)
+        seconds = window_seconds(req.completion_window)
+        with self._db.session() as s:
+            f = s.scalar(
+                select(File).where(File.id == req.input_file_id, File.tenant_id == principal.tenant_id)
+            )
+            if f is None:
+                raise NotFound(f"No such File object: {req.input_file_id}", param="input_file_id")
+            if f.purpose != FilePurpose.BATCH.value:
+                raise InvalidRequest(
+                    f"file {f.id} has purpose {f.purpose!r}, not 'batch'", param="input_file_id"
+                )
+            urls = s.execute(
+                text(
+                    "SELECT line_no, (raw::json)->>'url' FROM file_lines "
+                    "WHERE file_id = :f AND (raw::json)->>'url' <> :u LIMIT 1"
+                ),
+                {"f": f.id, "u": req.endpoint},
+            ).first()
+            if urls is not None:
+                raise InvalidRequest(
+                    f"line {urls[0]} of the file asks for {urls[1]!r}, "
+                    f"not the batch's endpoint {req.endpoint!r}",
+                    param="endpoint",
+                )
+            now = datetime.now(UTC)
+            batch = Batch(
+                id=new_id("batch"),
+                tenant_id=principal.tenant_id,
+                endpoint=req.endpoint,
+                input_file_id=f.id,
+                completion_window=req.completion_window,
+                status=BatchStatus.IN_PROGRESS.value,
+                metadata_=req.metadata,
+                total=f.line_count,
+                parent_batch_id=parent,
+                created_at=now,
+                in_progress_at=now,
+                expires_at=now + timedelta(seconds=seconds),
+            )
+            s.add(batch)
+            s.flush()
+            s.execute(
+                _CREATE_JOBS,
+                {
+                    "suffix": batch.id.removeprefix("batch_"),
+                    "tenant": principal.tenant_id,
+                    "batch": batch.id,
+                    "file": f.id,
+                },
+            )
+        log.info(
+            "batch created", extra={"batch_id": batch.id, "lines": batch.total, "tenant": principal.tenant_id}
+        )
+        return self.get(principal, batch.id)
+
+    @staticmethod
+    def _check_metadata(metadata: dict[str, str] | None) -> None:
+        if not metadata:
+            return
+        if len(metadata) > MAX_METADATA_PAIRS:
+            raise InvalidRequest(f"metadata has {len(metadata)} pairs; the limit is 16", param="metadata")
+        for key, value in metadata.items():
+            if len(key) > 64 or len(value) > 512:
+                raise InvalidRequest(
+                    "metadata keys are at most 64 characters, values 512", param=f"metadata.{key[:64]}"
+                )
+
+    # --- read ---------------------------------------------------------------------------
+
+    def _load(self, s: Any, principal: Principal, batch_id: str) -> Batch:
+        batch: Batch | None = s.scalar(
+            select(Batch).where(Batch.id == batch_id, Batch.tenant_id == principal.tenant_id)
+        )
+        if batch is None:
+            raise NotFound(f"No such Batch object: {batch_id}", param="batch_id")
+        return batch
+
+    def get(self, principal: Principal, batch_id: str) -> BatchObject:
+        with self._db.session() as s:
+            batch = self._load(s, principal, batch_id)
+            counts = s.execute(BATCH_COUNTS, {"batch": batch.id}).all()
+            model = s.scalar(select(Job.model).where(Job.batch_id == batch.id).limit(1))
+        return to_batch_object(batch, counts, model)
+
+    def list(self, principal: Principal, *, after: str | None, limit: int) -> BatchList:
+        if not 1 <= limit <= 100:
+            raise InvalidRequest("`limit` must be between 1 and 100", param="limit")
+        q = select(Batch.id).where(Batch.tenant_id == principal.tenant_id)
+        if after:
+            q = q.where(Batch.id < after)
+        with self._db.session() as s:
+            ids = list(s.scalars(q.order_by(Batch.id.desc()).limit(limit + 1)))
+        data = [self.get(principal, i) for i in ids[:limit]]
+        return BatchList(
+            data=data,
+            first_id=data[0].id if data else None,
+            last_id=data[-1].id if data else None,
+            has_more=len(ids) > limit,
+        )
+
+    # --- cancel and retry ---------------------------------------------------------------
+
+    def cancel(self, principal: Principal, batch_id: str) -> BatchObject:
+        """`cancelling` now; the lines not finished are cancelled (running ones fenced off
+        and aborted in the engine), finished ones stay in the output; the worker's
+        finalizer makes the batch `cancelled`.
+
+        Raises:
+            NotFound: no such batch for this tenant.
+            Conflict: the batch already ended.
+        """
+        now = datetime.now(UTC)
+        with self._db.session() as s:
+            batch = self._load(s, principal, batch_id)
+            if batch.status in (BatchStatus.CANCELLING.value, BatchStatus.CANCELLED.value):
+                return self.get(principal, batch_id)
+            if batch.status not in ACTIVE:
+                raise Conflict(
+                    f"batch {batch_id} already {batch.status}", param="batch_id", code="batch_not_cancellable"
+                )
+            s.execute(
+                update(Batch)
+                .where(Batch.id == batch_id)
+                .values(status=BatchStatus.CANCELLING.value, cancelling_at=now)
+            )
+        ended = end_lines(self._db, batch_id, JobStatus.CANCELLED)
+        tell_ended(self._events, ended, JobStatus.CANCELLED)
+        log.info("batch cancelling", extra={"batch_id": batch_id, "lines_cancelled": len(ended)})
+        return self.get(principal, batch_id)
+
+    def retry(self, principal: Principal, batch_id: str) -> BatchObject:
+        """A child batch of the lines that failed, were cancelled or expired (extension).
+
+        Raises:
+            NotFound: no such batch for this tenant.
+            Conflict: the batch is still running, or nothing in it failed.
+        """
+        with self._db.session() as s:
+            batch = self._load(s, principal, batch_id)
+            if batch.status in ACTIVE or batch.status == BatchStatus.FINALIZING.value:
+                raise Conflict(
+                    f"batch {batch_id} is still {batch.status}", param="batch_id", code="batch_running"
+                )
+            file_id = new_id("file")
+            s.add(
+                File(
+                    id=file_id,
+                    tenant_id=principal.tenant_id,
+                    purpose=FilePurpose.BATCH.value,
+                    filename=f"retry-of-{batch_id}.jsonl",
+                    bytes=0,
+                    line_count=0,
+                )
+            )
+            s.flush()
+            copied = cast(
+                Any,
+                s.execute(
+                    text(
+                        """
+                    INSERT INTO file_lines (file_id, line_no, custom_id, raw)
+                    SELECT :new, row_number() OVER (ORDER BY fl.line_no), fl.custom_id, fl.raw
+                    FROM file_lines fl JOIN jobs j ON j.batch_id = :batch AND j.line_no = fl.line_no
+                    WHERE fl.file_id = :old AND j.status IN ('failed', 'cancelled', 'expired')
+                    """
+                    ),
+                    {"new": file_id, "batch": batch_id, "old": batch.input_file_id},
+                ),
+            ).rowcount
+            if not copied:
+                raise Conflict(
+                    f"batch {batch_id} has no failed, cancelled or expired lines",
+                    param="batch_id",
+                    code="nothing_to_retry",
+                )
+            s.execute(
+                text(
+                    "UPDATE files SET line_count = :n, bytes = "
+                    "(SELECT coalesce(sum(octet_length(raw) + 1), 0) FROM file_lines WHERE file_id = :new) "
+                    "WHERE id = :new"
+                ),
+                {"n": copied, "new": file_id},
+            )
+        payload = {
+            "input_file_id": file_id,
+            "endpoint": batch.endpoint,
+            "completion_window": batch.completion_window,
+            "metadata": batch.metadata_,
+        }
+        return self.create(principal, payload, parent=batch_id)
+
+
+def tell_ended(events: JobEvents, ended: list[tuple[str, int, str]], status: JobStatus) -> None:
+    """Abort the lines that were running in the engine, and end every line's event log."""
+    code, message = LINE_ERRORS[status.value]
+    error = {"message": message, "type": "invalid_request_error", "param": None, "code": code}
+    events.request_cancels([job_id for job_id, _, before in ended if before == JobStatus.RUNNING.value])
+    events.append_ends([(job_id, end_event(epoch, status.value, error)) for job_id, epoch, _ in ended])
+
+
+def end_lines(db: Database, batch_id: str, status: JobStatus) -> list[tuple[str, int, str]]:
+    """End every unfinished line of a batch as `status` (cancelled or expired). Running
+    lines get a new epoch, so the worker's late write is refused. Returns (id, epoch, status
+    before) of each line ended."""
+    code, message = LINE_ERRORS[status.value]
+    error = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
+    stamp = "cancelled_at" if status == JobStatus.CANCELLED else "expired_at"
+    with db.session() as s:
+        rows = s.execute(
+            text(
+                f"""
+                WITH targets AS (
+                  SELECT id, status FROM jobs
+                  WHERE batch_id = :batch AND status IN ('queued', 'running') FOR UPDATE)
+                UPDATE jobs SET status = :status, {stamp} = now(), epoch = jobs.epoch + 1,
+                       error = CAST(:error AS json), lease_owner = NULL, lease_expires_at = NULL
+                FROM targets WHERE jobs.id = targets.id
+                RETURNING jobs.id, jobs.epoch, targets.status
+                """  # noqa: S608 - `stamp` is one of two column names
+            ),
+            {"batch": batch_id, "status": status.value, "error": json.dumps(error)},
+        ).all()
+    return [(r[0], r[1], r[2]) for r in rows]
+
+
+def to_batch_object(batch: Batch, counts: Any, model: str | None) -> BatchObject:
+    by_status = {row.status: row for row in counts}
+    progress = BatchProgress(**{status: row.n for status, row in by_status.items()})
+    done = progress.succeeded + progress.failed + progress.cancelled + progress.expired
+    prompt = int(sum(r.prompt for r in counts))
+    completion = int(sum(r.completion for r in counts))
+    cached = int(sum(r.cached for r in counts))
+    usage = (
+        BatchUsage(
+            input_tokens=prompt,
+            output_tokens=completion,
+            total_tokens=prompt + completion,
+            input_tokens_details=InputTokensDetails(cached_tokens=cached),
+            output_tokens_details=OutputTokensDetails(),
+        )
+        if done
+        else None
+    )
+    rate = eta = None
+    if batch.in_progress_at is not None and done:
+        end = batch.completed_at or batch.cancelled_at or batch.expired_at or datetime.now(UTC)
+        elapsed = max((end - batch.in_progress_at).total_seconds(), 1e-3)
+        rate = round(completion / elapsed, 1)
+        if batch.status == BatchStatus.IN_PROGRESS.value:
+            eta = round(elapsed / done * (batch.total - done), 1)
+    return BatchObject(
+        id=batch.id,
+        endpoint=batch.endpoint,
+        errors=BatchErrors.model_validate(batch.errors) if batch.errors else None,
+        input_file_id=batch.input_file_id,
+        completion_window=batch.completion_window,
+        status=batch.status,
+        output_file_id=batch.output_file_id,
+        error_file_id=batch.error_file_id,
+        created_at=_ts(batch.created_at) or 0,
+        in_progress_at=_ts(batch.in_progress_at),
+        expires_at=_ts(batch.expires_at),
+        finalizing_at=_ts(batch.finalizing_at),
+        completed_at=_ts(batch.completed_at),
+        failed_at=_ts(batch.failed_at),
+        expired_at=_ts(batch.expired_at),
+        cancelling_at=_ts(batch.cancelling_at),
+        cancelled_at=_ts(batch.cancelled_at),
+        request_counts=RequestCounts(
+            total=batch.total, completed=progress.succeeded, failed=done - progress.succeeded
+        ),
+        metadata=batch.metadata_,
+        usage=usage,
+        model=model,
+        x_progress=progress,
+        x_output_tokens_per_second=rate,
+        x_estimated_seconds_left=eta,
+        x_parent_batch_id=batch.parent_batch_id,
+    )
+
+
+# --- output and error files ------------------------------------------------------------
+
+
+def output_lines(db: Database, batch_id: str, part: str) -> Iterator[bytes]:
+    """The batch's output (`part` "output": succeeded lines) or error file ("errors": the
+    rest), generated from its job rows in input order, read in pages."""
+    statuses = (
+        [JobStatus.SUCCEEDED.value]
+        if part == "output"
+        else [
+            JobStatus.FAILED.value,
+            JobStatus.CANCELLED.value,
+            JobStatus.EXPIRED.value,
+        ]
+    )
+    q = (
+        select(Job.id, Job.custom_id, Job.status, Job.response, Job.error)
+        .where(Job.batch_id == batch_id, Job.status.in_(statuses))
+        .order_by(Job.line_no)
+    )
+    with db.engine.connect() as conn:
+        for row in conn.execution_options(stream_results=True, yield_per=1000).execute(q):
+            yield (json.dumps(output_line(*row), ensure_ascii=False) + "\n").encode("utf-8")
+
+
+def output_line(job_id: str, custom_id: str, status: str, response: Any, error: Any) -> dict[str, Any]:
+    line_id = "batch_req_" + job_id.removeprefix("job_")
+    if status == JobStatus.SUCCEEDED.value:
+        return {
+            "id": line_id,
+            "custom_id": custom_id,
+            "response": {"status_code": 200, "request_id": job_id, "body": response},
+            "error": None,
+        }
+    if status in LINE_ERRORS:
+        code, message = LINE_ERRORS[status]
+        return {
+            "id": line_id,
+            "custom_id": custom_id,
+            "response": None,
+            "error": {"code": code, "message": message},
+        }
+    body = error or {
+        "error": {"message": "the request failed", "type": "api_error", "param": None, "code": None}
+    }
+    kind = body.get("error", {}).get("type")
+    return {
+        "id": line_id,
+        "custom_id": custom_id,
+        "response": {
+            "status_code": 400 if kind == "invalid_request_error" else 500,
+            "request_id": job_id,
+            "body": body,
+        },
+        "error": None,
+    }

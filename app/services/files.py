@@ -1,0 +1,270 @@
+"""OpenAI Files: batch input files are validated line by line as they stream in and stored
+line by line in Postgres; output and error files are generated from job rows when read.
+
+Why Postgres for the bytes: a batch turns an input file into job rows with one
+INSERT ... SELECT over its lines (no re-parsing, no per-line round trips), the lines share
+the jobs' transactions, backups and tenancy checks, and no API host needs a shared disk.
+An input line is kept as uploaded, so downloading the file gives back the same bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from typing import IO, Any
+
+from pydantic import ValidationError
+from sqlalchemy import delete, func, select
+
+from app.db import Database
+from app.errors import Conflict, InvalidRequest, LlmqError, NotFound, PayloadTooLarge
+from app.ids import new_id
+from app.models import Batch, BatchStatus, File, FileLine, FilePurpose
+from app.schemas.batches import (
+    BATCH_ENDPOINTS,
+    BatchInputLine,
+    BatchLineError,
+    FileDeleted,
+    FileList,
+    FileObject,
+)
+from app.services.batches import output_lines
+from app.services.contract import RequestPolicy
+from app.services.keys import Principal
+from app.services.parsing import describe, error_param
+from app.settings import Settings
+
+log = logging.getLogger("llmq.files")
+
+MAX_REPORTED_ERRORS = 100
+
+
+class UploadRejected(InvalidRequest):
+    """The file has bad lines; each is reported with its number. Nothing was stored."""
+
+    def __init__(self, errors: list[BatchLineError]) -> None:
+        first = errors[0]
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        super().__init__(f"line {first.line}: {first.message}{more}", param=first.param, code="invalid_file")
+        self.errors = errors
+
+    def body(self) -> dict[str, Any]:
+        body = super().body()
+        body["errors"] = {"object": "list", "data": [e.model_dump() for e in self.errors]}
+        return body
+
+
+def _ts(value: datetime | None) -> int | None:
+    return int(value.timestamp()) if value is not None else None
+
+
+def to_file_object(f: File) -> FileObject:
+    return FileObject(
+        id=f.id, bytes=f.bytes, created_at=_ts(f.created_at) or 0, filename=f.filename, purpose=f.purpose
+    )
+
+
+class LineChecker:
+    """Validates input lines one at a time, remembering custom_ids to catch repeats."""
+
+    def __init__(self, policy: RequestPolicy) -> None:
+        self._policy = policy
+        self._seen: set[str] = set()
+        self.endpoints: set[str] = set()
+
+    def check(self, number: int, raw: bytes) -> tuple[str, str]:
+        """(custom_id, text) of a valid line. Raises LlmqError naming what is wrong."""
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InvalidRequest(f"not valid UTF-8 at byte {exc.start}", code="invalid_utf8") from exc
+        try:
+            line = BatchInputLine.model_validate_json(text)
+        except ValidationError as exc:
+            first = exc.errors(include_url=False, include_input=False)[0]
+            kind = str(first.get("type"))
+            if kind == "json_invalid":
+                raise InvalidRequest("not valid JSON", code="invalid_json") from exc
+            if kind == "model_type":
+                raise InvalidRequest("each line must be a JSON object", code="invalid_line") from exc
+            raise InvalidRequest(
+                describe(dict(first)), param=error_param(tuple(first.get("loc", ()))), code=kind
+            ) from exc
+        if line.url not in BATCH_ENDPOINTS:
+            raise InvalidRequest(
+                f"url {line.url!r} is not a supported endpoint ({', '.join(BATCH_ENDPOINTS)})",
+                param="url",
+                code="invalid_url",
+            )
+        if line.body.stream:
+            raise InvalidRequest(
+                "`stream: true` cannot be used in a batch", param="body.stream", code="invalid_line"
+            )
+        if line.custom_id in self._seen:
+            raise InvalidRequest(
+                f"custom_id {line.custom_id!r} is used twice", param="custom_id", code="duplicate_custom_id"
+            )
+        try:
+            # The same bounds as a single job; a prompt over the context only fails its own line.
+            self._policy.check(line.body, count_tokens=False)
+        except LlmqError as exc:
+            raise InvalidRequest(
+                exc.message, param=f"body.{exc.param}" if exc.param else "body", code=exc.code
+            ) from exc
+        self._seen.add(line.custom_id)
+        self.endpoints.add(line.url)
+        return line.custom_id, text
+
+
+class FileService:
+    def __init__(self, db: Database, policy: RequestPolicy, settings: Settings) -> None:
+        self._db = db
+        self._policy = policy
+        self._settings = settings
+
+    def upload(self, principal: Principal, stream: IO[bytes], filename: str, purpose: str) -> FileObject:
+        """Read, check and store an input file line by line (bounded memory).
+
+        Raises:
+            InvalidRequest: wrong purpose.
+            UploadRejected: bad lines, every one reported with its number; nothing stored.
+            PayloadTooLarge: over the line or byte limit.
+        """
+        if purpose != FilePurpose.BATCH.value:
+            raise InvalidRequest(f"purpose {purpose!r} is not accepted; use 'batch'", param="purpose")
+        checker = LineChecker(self._policy)
+        file_id = new_id("file")
+        errors: list[BatchLineError] = []
+        total = lines = 0
+        raw_conn: Any = self._db.engine.raw_connection()
+        try:
+            conn = raw_conn.driver_connection
+            with conn.transaction():
+                conn.execute(
+                    "INSERT INTO files (id, tenant_id, purpose, filename, bytes, line_count, created_at) "
+                    "VALUES (%s, %s, %s, %s, 0, 0, %s)",
+                    (file_id, principal.tenant_id, purpose, filename, datetime.now(UTC)),
+                )
+                with conn.cursor().copy(
+                    "COPY file_lines (file_id, line_no, custom_id, raw) FROM STDIN"
+                ) as copy:
+                    for number, raw in enumerate(stream, start=1):
+                        total += len(raw)
+                        if total > self._settings.max_upload_bytes:
+                            raise PayloadTooLarge(f"the file is over {self._settings.max_upload_bytes} bytes")
+                        line = raw.rstrip(b"\r\n")
+                        if not line.strip():
+                            continue
+                        lines += 1
+                        if lines > self._settings.max_batch_lines:
+                            raise PayloadTooLarge(
+                                f"the file has more than {self._settings.max_batch_lines} lines"
+                            )
+                        try:
+                            custom_id, text = checker.check(number, line)
+                        except LlmqError as exc:
+                            errors.append(
+                                BatchLineError(
+                                    code=exc.code or "invalid_line",
+                                    message=exc.message,
+                                    param=exc.param,
+                                    line=number,
+                                )
+                            )
+                            if len(errors) >= MAX_REPORTED_ERRORS:
+                                break
+                            continue
+                        if not errors:
+                            copy.write_row((file_id, number, custom_id, text))
+                    if errors:
+                        raise UploadRejected(errors)
+                    if lines == 0:
+                        raise InvalidRequest("the file has no lines", param="file")
+                conn.execute(
+                    "UPDATE files SET bytes = %s, line_count = %s WHERE id = %s", (total, lines, file_id)
+                )
+        finally:
+            raw_conn.close()
+        log.info(
+            "file uploaded",
+            extra={"file_id": file_id, "lines": lines, "bytes": total, "tenant": principal.tenant_id},
+        )
+        return FileObject(
+            id=file_id,
+            bytes=total,
+            created_at=int(datetime.now(UTC).timestamp()),
+            filename=filename,
+            purpose=purpose,
+        )
+
+    def get(self, principal: Principal, file_id: str) -> File:
+        with self._db.session() as s:
+            f = s.scalar(select(File).where(File.id == file_id, File.tenant_id == principal.tenant_id))
+        if f is None:
+            raise NotFound(f"No such File object: {file_id}", param="file_id")
+        return f
+
+    def list(self, principal: Principal, *, purpose: str | None, after: str | None, limit: int) -> FileList:
+        if not 1 <= limit <= 10_000:
+            raise InvalidRequest("`limit` must be between 1 and 10000", param="limit")
+        q = select(File).where(File.tenant_id == principal.tenant_id)
+        if purpose:
+            q = q.where(File.purpose == purpose)
+        if after:
+            q = q.where(File.id < after)
+        with self._db.session() as s:
+            rows = list(s.scalars(q.order_by(File.id.desc()).limit(limit + 1)))
+        data = [to_file_object(f) for f in rows[:limit]]
+        return FileList(
+            data=data,
+            first_id=data[0].id if data else None,
+            last_id=data[-1].id if data else None,
+            has_more=len(rows) > limit,
+        )
+
+    def delete(self, principal: Principal, file_id: str) -> FileDeleted:
+        """Raises:
+        NotFound: no such file for this tenant.
+        Conflict: a batch still running reads it.
+        """
+        self.get(principal, file_id)
+        with self._db.session() as s:
+            busy = s.scalar(
+                select(func.count())
+                .select_from(Batch)
+                .where(
+                    Batch.input_file_id == file_id,
+                    Batch.status.in_(
+                        [
+                            BatchStatus.VALIDATING.value,
+                            BatchStatus.IN_PROGRESS.value,
+                            BatchStatus.CANCELLING.value,
+                        ]
+                    ),
+                )
+            )
+            if busy:
+                raise Conflict(
+                    f"file {file_id} is the input of a running batch", param="file_id", code="file_in_use"
+                )
+            s.execute(delete(FileLine).where(FileLine.file_id == file_id))
+            s.execute(delete(File).where(File.id == file_id))
+        return FileDeleted(id=file_id, deleted=True)
+
+    def content(self, principal: Principal, file_id: str) -> tuple[File, Iterator[bytes]]:
+        """The file's bytes, streamed: an input file as uploaded, an output or error file
+        generated from its batch's job rows. Raises NotFound for another tenant's file."""
+        f = self.get(principal, file_id)
+        if f.batch_id is not None and f.batch_part is not None:
+            return f, output_lines(self._db, f.batch_id, f.batch_part)
+        return f, self.input_lines(file_id)
+
+    def input_lines(self, file_id: str) -> Iterator[bytes]:
+        """The file as uploaded, a line at a time, read from Postgres in pages."""
+        with self._db.engine.connect() as conn:
+            rows = conn.execution_options(stream_results=True, yield_per=2000).execute(
+                select(FileLine.raw).where(FileLine.file_id == file_id).order_by(FileLine.line_no)
+            )
+            for (raw,) in rows:
+                yield raw.encode("utf-8") + b"\n"

@@ -1,0 +1,71 @@
+"""The worker's job store against real Postgres: claims, the epoch fence, bulk results."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import text
+
+from app.schemas.chat import ChatCompletionV2Request
+from worker.store import JobStore, Result
+
+
+def queued(services, n: int) -> list[str]:  # type: ignore[no-untyped-def]
+    principal = services.keys.authenticate(services.keys.create_key("tenant-store"))
+    req = ChatCompletionV2Request.model_validate(
+        {"model": "api-only", "messages": [{"role": "user", "content": "x"}]}
+    )
+    return [services.jobs.submit_request(principal, req).id for _ in range(n)]
+
+
+def response(content: str) -> dict[str, Any]:
+    return {"choices": [{"index": 0, "message": {"role": "assistant", "content": content}}]}
+
+
+def test_bulk_results_keep_nul_characters_and_respect_the_fence(services) -> None:
+    store = JobStore(services.db)
+    ids = queued(services, 3)
+    claims = store.claim_many(ids, "w1", 30, 3)
+    assert [c.job_id for c in claims] == ids and all(c.epoch == 1 for c in claims)
+    assert store.claim_many(ids, "w2", 30, 3) == []  # live leases: nobody else
+    with services.db.session() as s:  # someone took the third over
+        s.execute(text("UPDATE jobs SET epoch = epoch + 1 WHERE id = :i"), {"i": ids[2]})
+    results = [
+        Result(
+            ids[0],
+            1,
+            "succeeded",
+            response=response("a\u0000b"),
+            usage={"completion_tokens": 1},
+            events=[{"id": "1-1", "type": "chunk", "data": {"x": "\u0000"}}],
+        ),
+        Result(ids[1], 1, "failed", error={"error": {"message": "no", "type": "invalid_request_error"}}),
+        Result(ids[2], 1, "succeeded", response=response("stale")),
+    ]
+    assert store.finish_many(results) == {ids[0], ids[1]}
+    with services.db.session() as s:
+        rows = {
+            r.id: r
+            for r in s.execute(
+                text("SELECT id, status, response, events, finished_by FROM jobs WHERE id = ANY(:i)"),
+                {"i": ids},
+            )
+        }
+    assert rows[ids[0]].response["choices"][0]["message"]["content"] == "a\u0000b"
+    assert rows[ids[0]].events[0]["data"]["x"] == "\u0000" and rows[ids[0]].finished_by == "w1"
+    assert rows[ids[1]].status == "failed"
+    assert rows[ids[2]].status == "running" and rows[ids[2]].response is None
+
+
+def test_hand_back_requeues_without_a_message(services) -> None:
+    store = JobStore(services.db)
+    (job_id,) = queued(services, 1)
+    (claim,) = store.claim_many([job_id], "w1", 30, 3)
+    assert store.finish_many([Result(job_id, claim.epoch, "queued")]) == {job_id}
+    with services.db.session() as s:
+        row = s.execute(
+            text("SELECT status, enqueued_at, lease_owner, attempts FROM jobs WHERE id = :i"), {"i": job_id}
+        ).one()
+    assert (
+        row.status == "queued" and row.enqueued_at is None and row.lease_owner is None and row.attempts == 1
+    )

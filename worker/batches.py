@@ -1,0 +1,52 @@
+"""The batch scheduler thread of a worker: feeds batch lines to the broker, ends batches at
+their deadline and finalizes finished ones. Every worker runs it; one acts at a time."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from app.db import Database
+from app.services.batch_lifecycle import BatchLifecycle
+
+log = logging.getLogger("llmq.batches")
+
+FEED_LOCK_KEY = 7243002
+FINALIZE_EVERY_SECONDS = 1.0
+
+
+class BatchScheduler:
+    def __init__(self, db: Database, lifecycle: BatchLifecycle, *, tick_seconds: float) -> None:
+        self._db = db
+        self._lifecycle = lifecycle
+        self._tick = tick_seconds
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="llmq-batches", daemon=True)
+        self._last_finalize = 0.0
+
+    def tick(self) -> None:
+        with self._db.try_lock(FEED_LOCK_KEY) as mine:
+            if not mine:
+                return
+            fed = self._lifecycle.feed()
+            if fed.lines:
+                log.debug("batch lines sent", extra={"lines": fed.lines, "messages": fed.messages})
+            now = time.monotonic()
+            if now - self._last_finalize >= FINALIZE_EVERY_SECONDS:
+                self._last_finalize = now
+                self._lifecycle.expire_due()
+                self._lifecycle.finalize_done()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._tick):
+            try:
+                self.tick()
+            except Exception as exc:  # noqa: BLE001 - Postgres or Redis away: next tick
+                log.warning("batch scheduler tick failed", extra={"error": f"{type(exc).__name__}: {exc}"})
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
