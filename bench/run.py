@@ -16,11 +16,10 @@ from bench.common import RESULTS, ROOT
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", default="B1,B2,B5", help="comma-separated benchmark ids")
+    p.add_argument("--only", default="B1,B2,B4,B5", help="comma-separated benchmark ids")
     p.add_argument("--model", default=str(ROOT / ".test-models" / "tiny"), help="model folder for B1")
     p.add_argument("--b1-requests", type=int, default=64)
     p.add_argument("--b1-max-tokens", type=int, default=256)
-    p.add_argument("--b2-lines", type=int, default=10_000)
     a = p.parse_args()
     wanted = {x.strip().upper() for x in a.only.split(",")}
     results: list[dict[str, Any]] = []
@@ -31,7 +30,11 @@ def main() -> None:
     if "B2" in wanted:
         from bench import b2_overhead
 
-        results.append(b2_overhead.run(a.b2_lines))
+        results.append(b2_overhead.run())
+    if "B4" in wanted:
+        from bench import b4_ingest
+
+        results.append(b4_ingest.run())
     if "B5" in wanted:
         from bench import b5_stream
 

@@ -66,7 +66,7 @@ class LeaseKeeper(_Periodic):
             if held is None or held[0] != item.epoch:
                 log.warning("lease lost; aborting", extra={"job_id": item.job_id, "epoch": item.epoch})
                 self._runner.lose(item.job_id)
-            elif held[1] and not item.cancelled.is_set():
+            elif held[1] and not item.cancelled:
                 self._runner.cancel(item.job_id)
 
 

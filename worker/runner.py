@@ -10,7 +10,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError, SQLAlchemyError
@@ -31,12 +31,15 @@ log = logging.getLogger("llmq.runner")
 
 @dataclass
 class Inflight:
+    """A job in the engine, and why it may be stopped early. The flags are set by other
+    threads and read once the engine is done with the job (plain bools: set once, read later)."""
+
     job_id: str
     epoch: int
     request_id: str
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    lost: threading.Event = field(default_factory=threading.Event)
-    released: threading.Event = field(default_factory=threading.Event)
+    cancelled: bool = False
+    lost: bool = False
+    released: bool = False
 
 
 @dataclass
@@ -142,7 +145,7 @@ class JobRunner:
             item = self._inflight.get(job_id)
         if item is None:
             return False
-        getattr(item, flag).set()
+        setattr(item, flag, True)
         self._loop.submit(self._engine.abort(item.request_id))
         return True
 
@@ -256,10 +259,10 @@ class JobRunner:
         """Turn what happened to one run into the result to write (or none)."""
         assert run.item is not None and run.outcome is not None
         error = run.outcome.error
-        if isinstance(error, EngineDead) or run.item.released.is_set():
+        if isinstance(error, EngineDead) or run.item.released:
             run.handed_back = True
             run.result = Result(run.claim.job_id, run.claim.epoch, JobStatus.QUEUED.value)
-        elif run.item.lost.is_set():
+        elif run.item.lost:
             log.info("job taken over or ended elsewhere; result discarded", extra=run.ctx)
             self._streams.discard(run.claim.job_id)
         elif isinstance(error, TimeoutError):
@@ -310,7 +313,7 @@ class JobRunner:
             system_fingerprint=self._config.system_fingerprint,
             service_tier=tr.request.service_tier,
         )
-        cancelled = item.cancelled.is_set() or any(c.finish_reason == "abort" for c in outcome.choices)
+        cancelled = item.cancelled or any(c.finish_reason == "abort" for c in outcome.choices)
         status = JobStatus.CANCELLED if cancelled else JobStatus.SUCCEEDED
         end = run.stream.end_event(status.value, usage=usage, error=None)
         return Result(

@@ -76,8 +76,9 @@ _CLAIM = text(
 )
 
 # One statement for a whole chunk; each row is written only under the epoch its claim got.
-# Documents travel as text arrays and are cast to json per column: json keeps text as given
-# (U+0000 included, which a model can produce), where json_to_recordset would not.
+# The rows travel as one JSON array of arrays whose documents are JSON strings: `->>` gives
+# each document's own text, cast to json as is, so U+0000 (which a model can produce and
+# `jsonb` refuses) survives; one json.dumps in C beats psycopg escaping text arrays.
 _FINISH = text(
     """
     UPDATE jobs AS j SET
@@ -96,11 +97,11 @@ _FINISH = text(
       finished_by = CASE WHEN v.status = 'queued' THEN NULL ELSE j.lease_owner END,
       lease_owner = NULL,
       lease_expires_at = NULL
-    FROM unnest(
-      CAST(:ids AS text[]), CAST(:epochs AS bigint[]), CAST(:statuses AS text[]), CAST(:responses AS text[]),
-      CAST(:errors AS text[]), CAST(:usages AS text[]), CAST(:stats AS text[]), CAST(:powers AS text[]),
-      CAST(:events AS text[])
-    ) AS v(id, epoch, status, response, error, usage, stats, power, events)
+    FROM (
+      SELECT r->>0 AS id, (r->>1)::bigint AS epoch, r->>2 AS status, r->>3 AS response, r->>4 AS error,
+             r->>5 AS usage, r->>6 AS stats, r->>7 AS power, r->>8 AS events
+      FROM json_array_elements(CAST(:rows AS json)) AS r
+    ) AS v
     WHERE j.id = v.id AND j.epoch = v.epoch AND j.status = 'running'
     RETURNING j.id
     """
@@ -135,19 +136,22 @@ class JobStore:
         """Write every result still owed (the fence refuses the rest); the ids written."""
         if not results:
             return set()
-        params = {
-            "ids": [r.job_id for r in results],
-            "epochs": [r.epoch for r in results],
-            "statuses": [r.status for r in results],
-            "responses": [_doc(r.response) for r in results],
-            "errors": [_doc(r.error) for r in results],
-            "usages": [_doc(r.usage) for r in results],
-            "stats": [_doc(r.generation_stats) for r in results],
-            "powers": [_doc(r.power_usage) for r in results],
-            "events": [_doc(r.events) for r in results],
-        }
+        rows = [
+            [
+                r.job_id,
+                r.epoch,
+                r.status,
+                _doc(r.response),
+                _doc(r.error),
+                _doc(r.usage),
+                _doc(r.generation_stats),
+                _doc(r.power_usage),
+                _doc(r.events),
+            ]
+            for r in results
+        ]
         with self._db.session() as s:
-            return {row.id for row in s.execute(_FINISH, params)}
+            return {row.id for row in s.execute(_FINISH, {"rows": json.dumps(rows, separators=(",", ":"))})}
 
     def extend_leases(self, owner: str, lease_seconds: float) -> dict[str, tuple[int, bool]]:
         """Extend every lease `owner` holds; returns {job_id: (epoch, cancel_requested)}."""

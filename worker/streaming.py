@@ -266,7 +266,8 @@ class StreamPublisher:
         """A new attempt starts a clean log: an older attempt's events are dropped."""
         with self._lock:
             self._history[job_id] = []
-        self._queue.put((job_id, {"reset": True}, False))
+        if epoch > 1:
+            self._queue.put((job_id, {"reset": True}, False))
         return JobStream(self, job_id, epoch, header, n=n)
 
     def submit(self, job_id: str, event: dict[str, Any], *, final: bool = False) -> None:

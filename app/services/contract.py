@@ -160,12 +160,12 @@ class RequestPolicy:
             self._check_prompt_length(req)
 
     def _check_fields(self, req: ChatCompletionV2Request) -> None:
-        dumped = req.model_dump(exclude_none=True, by_alias=True)
-        for name in req.model_fields_set:
-            if name in HONOURED or name not in dumped:
+        for name in req.model_fields_set - HONOURED:
+            value = getattr(req, name)
+            if value is None:
                 continue
             neutral = NEUTRAL.get(name)
-            if neutral is not None and neutral(dumped[name]):
+            if neutral is not None and neutral(value):
                 continue
             why = WHY_UNSUPPORTED.get(name, "this deployment does not honour it")
             raise Unsupported(f"`{name}` is not supported: {why}", param=name)

@@ -29,6 +29,8 @@ class ToolPlan:
 
     def schema(self) -> dict[str, Any] | None:
         """The JSON schema the output is held to, or None (free text)."""
+        if self.mode not in ("named", "required"):
+            return None
         params = {d["function"]["name"]: d["function"].get("parameters") or _OBJECT for d in self.definitions}
         if self.mode == "named" and self.name is not None:
             return params[self.name]
@@ -56,6 +58,8 @@ def plan_tools(req: ChatCompletionV2Request, *, auto_parser: str | None) -> Tool
     InvalidRequest: a named function that is not among the tools, tools and functions together.
     Unsupported: `auto` (the default when tools are given) with no tool parser configured.
     """
+    if not req.tools and not req.functions and req.tool_choice is None and req.function_call is None:
+        return _NO_TOOLS
     if req.tools and req.functions:
         raise InvalidRequest("send `tools` or the legacy `functions`, not both", param="functions")
     legacy = bool(req.functions) or req.function_call is not None
@@ -93,6 +97,9 @@ def plan_tools(req: ChatCompletionV2Request, *, auto_parser: str | None) -> Tool
     if name not in names:
         raise InvalidRequest(f"`{param}` names `{name}`, which is not among the tools given", param=param)
     return ToolPlan("named", name=name, legacy=legacy, parallel=False, definitions=definitions)
+
+
+_NO_TOOLS = ToolPlan("none")
 
 
 def call_id(job_id: str, choice: int, k: int) -> str:

@@ -1,0 +1,107 @@
+"""B4 ingest: seconds to upload, check and store a 50,000-line JSONL file, against
+`json.loads` of every line plus a raw Postgres COPY of the same rows in the same run
+(goal: ≥ 0.5 of the baseline's rate); and the API process's peak memory growth while it
+takes a ~190 MB file (goal: < 100 MB)."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import psycopg
+
+from app.cli.client import LlmqClient
+from app.db import normalize_url
+from bench.common import save, service
+
+SERVED = "bench-b4"
+
+
+def write_file(path: Path, lines: int, content_chars: int) -> int:
+    filler = "lorem ipsum " * (content_chars // 12 + 1)
+    with path.open("w") as f:
+        for i in range(lines):
+            body = {
+                "model": SERVED,
+                "messages": [
+                    {"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": f"{i} {filler[:content_chars]}"},
+                ],
+                "max_tokens": 16,
+                "temperature": 0.7,
+            }
+            f.write(
+                json.dumps(
+                    {"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}
+                )
+                + "\n"
+            )
+    return path.stat().st_size
+
+
+def baseline(path: Path, database_url: str) -> float:
+    """json.loads of every line + COPY of (file_id, line_no, custom_id, raw) rows."""
+    url = normalize_url(database_url).replace("postgresql+psycopg://", "postgresql://")
+    with psycopg.connect(url) as conn:
+        conn.execute("CREATE TEMP TABLE b4_lines (file_id text, line_no int, custom_id text, raw text)")
+        started = time.perf_counter()
+        with (
+            conn.cursor().copy("COPY b4_lines (file_id, line_no, custom_id, raw) FROM STDIN") as copy,
+            path.open("rb") as f,
+        ):
+            for n, raw in enumerate(f, start=1):
+                obj = json.loads(raw)
+                copy.write_row(("file_baseline", n, obj["custom_id"], raw.decode().rstrip("\n")))
+        conn.commit()
+        return time.perf_counter() - started
+
+
+def api_workers(pid: int) -> list[psutil.Process]:
+    return psutil.Process(pid).children()
+
+
+def hwm(proc: psutil.Process) -> int:
+    for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def run(lines: int = 50_000) -> dict[str, Any]:
+    tmp = Path(tempfile.mkdtemp())
+    small = tmp / "b4-50k.jsonl"
+    size = write_file(small, lines, 120)
+    big = tmp / "b4-190mb.jsonl"
+    big_size = write_file(big, 45_000, 4_150)
+    with service("instant", SERVED, LLMQ_ENGINE="instant", LLMQ_API_WORKERS="1") as stack:
+        client = LlmqClient(stack.base_url, stack.api_key, timeout=900)
+        base_s = baseline(small, stack.env["LLMQ_DATABASE_URL"])
+        started = time.perf_counter()
+        client.upload_batch_file(small)
+        llmq_s = time.perf_counter() - started
+        workers = api_workers(stack.procs["api"].pid)
+        rss_before = {w.pid: w.memory_info().rss for w in workers}
+        started = time.perf_counter()
+        client.upload_batch_file(big)
+        big_s = time.perf_counter() - started
+        growth = max(hwm(w) - rss_before[w.pid] for w in workers)
+        client.close()
+    result = {
+        "id": "B4",
+        "lines": lines,
+        "file_mb": round(size / 1e6, 1),
+        "baseline_s": round(base_s, 2),
+        "llmq_s": round(llmq_s, 2),
+        "ratio": round(base_s / llmq_s, 3),
+        "big_file_mb": round(big_size / 1e6, 1),
+        "big_upload_s": round(big_s, 1),
+        "peak_rss_growth_mb": round(growth / 2**20, 1),
+        "goal": "ratio >= 0.5; peak RSS growth < 100 MB",
+    }
+    save("b4", result)
+    print(json.dumps(result, indent=2))
+    return result
