@@ -64,6 +64,6 @@ def configure_logging(settings: Settings) -> None:
     )
     root.handlers[:] = [handler]
     root.setLevel(settings.log_level.upper())
-    for noisy in ("urllib3", "werkzeug", "kombu", "amqp", "httpx", "httpcore"):
+    for noisy in ("urllib3", "werkzeug", "kombu", "amqp", "httpx", "httpcore", "alembic"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     root._llmq_configured = True  # type: ignore[attr-defined]
