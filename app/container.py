@@ -18,8 +18,10 @@ from app.services.chat import ChatService
 from app.services.contract import RequestPolicy
 from app.services.files import FileService
 from app.services.health import HealthService
+from app.services.idempotency import IdempotencyLocks
 from app.services.jobs import JobService
 from app.services.keys import KeyService
+from app.services.limits import RateLimiter
 from app.services.streaming import Notifier, StreamService
 from app.settings import Settings
 
@@ -38,6 +40,7 @@ class Services:
     files: FileService
     batches: BatchService
     health: HealthService
+    limiter: RateLimiter
 
     @property
     def served_models(self) -> frozenset[str]:
@@ -81,12 +84,16 @@ def build_services(settings: Settings, *, db_pool_size: int = 10) -> Services:
     keys = KeyService(db)
     count, context = prompt_counter(settings)
     policy = RequestPolicy(settings, served, count_prompt=count, max_model_len=context)
+    locks = IdempotencyLocks(redis)
     jobs = JobService(
         db,
         queue,
         events,
         policy,
         cancel_wait_seconds=settings.cancel_wait_seconds,
+        locks=locks,
+        idempotency_ttl_seconds=settings.idempotency_ttl_seconds,
+        max_active_per_tenant=settings.max_active_jobs_per_tenant,
     )
     streams = StreamService(db, redis, Notifier(redis), heartbeat_seconds=settings.sse_heartbeat_seconds)
     return Services(
@@ -100,6 +107,11 @@ def build_services(settings: Settings, *, db_pool_size: int = 10) -> Services:
         streams=streams,
         chat=ChatService(jobs, streams, wait_seconds=settings.sync_wait_seconds),
         files=FileService(db, policy, settings),
-        batches=BatchService(db, events),
+        batches=BatchService(
+            db, events, locks=locks, idempotency_ttl_seconds=settings.idempotency_ttl_seconds
+        ),
         health=HealthService(db, redis, served),
+        limiter=RateLimiter(
+            redis, per_minute=settings.rate_limit_per_minute, burst=settings.rate_limit_burst
+        ),
     )

@@ -108,6 +108,12 @@ class Job(Base):
             "line_no",
             postgresql_where=text("status = 'queued' AND batch_id IS NOT NULL AND enqueued_at IS NULL"),
         ),
+        # Single jobs queued or running per tenant: what the concurrency cap counts.
+        Index(
+            "ix_jobs_tenant_active",
+            "tenant_id",
+            postgresql_where=text("status IN ('queued','running') AND batch_id IS NULL"),
+        ),
         # Batch lines out with the broker or running: what the feeder's window counts.
         Index(
             "ix_jobs_dispatched",
@@ -213,6 +219,7 @@ class BatchStatus(StrEnum):
 class Batch(Base):
     __tablename__ = "batches"
     __table_args__ = (
+        UniqueConstraint("tenant_id", "idempotency_key", name="uq_batches_tenant_idempotency"),
         Index("ix_batches_tenant_id_id", "tenant_id", "id"),
         Index(
             "ix_batches_active",
@@ -234,6 +241,8 @@ class Batch(Base):
     total: Mapped[int] = mapped_column(Integer, server_default="0")
     usage: Mapped[dict[str, Any] | None]
     parent_batch_id: Mapped[str | None] = mapped_column(String(40))
+    idempotency_key: Mapped[str | None] = mapped_column(String(256))
+    request_hash: Mapped[str | None] = mapped_column(String(64))
     created_at: Mapped[datetime] = mapped_column(server_default=func.now())
     expires_at: Mapped[datetime]
     in_progress_at: Mapped[datetime | None]

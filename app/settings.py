@@ -86,6 +86,20 @@ class Settings(BaseSettings):
         description="Count prompt tokens in the API (400 before queuing) when the model is local.",
     )
 
+    # Limits per API key.
+    rate_limit_per_minute: int = Field(
+        default=6000, ge=0, description="Requests per minute per key; 0 turns it off."
+    )
+    rate_limit_burst: int = Field(default=500, ge=1)
+    max_active_jobs_per_tenant: int = Field(
+        default=2000,
+        ge=0,
+        description="Single jobs queued or running per tenant (batch lines apart); 0: no cap.",
+    )
+    idempotency_ttl_seconds: int = Field(
+        default=24 * 3600, ge=60, description="How long an Idempotency-Key holds."
+    )
+
     # Auth.
     bootstrap_api_key: str | None = Field(
         default=None, description="Registered for the default tenant at start-up."

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from flask import Blueprint, Response, jsonify, request
 
-from app.api.deps import authenticate, json_body, principal, services
+from app.api.deps import authenticate, idempotency, json_body, principal, services
 from app.api.files import _limit
 
 bp = Blueprint("batches", __name__)
@@ -13,7 +13,10 @@ bp.before_request(authenticate)
 
 @bp.post("/v1/batches")
 def create_batch() -> Response:
-    return jsonify(services().batches.create(principal(), json_body()).model_dump(mode="json"))
+    payload = json_body()
+    return jsonify(
+        services().batches.create(principal(), payload, idem=idempotency(payload)).model_dump(mode="json")
+    )
 
 
 @bp.get("/v1/batches")

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 from flask import Blueprint, Response, jsonify, stream_with_context
 
-from app.api.deps import authenticate, json_body, principal, services
+from app.api.deps import authenticate, idempotency, json_body, principal, services
 from app.services.chat import ChatResult
 
 bp = Blueprint("chat", __name__)
@@ -37,9 +37,11 @@ def _reply(result: ChatResult) -> Response | tuple[Response, int]:
 @bp.post("/v1/chat/completions")
 @bp.post("/v2/chat/completions")
 def chat_completions() -> Response | tuple[Response, int]:
-    return _reply(services().chat.complete(principal(), json_body()))
+    payload = json_body()
+    return _reply(services().chat.complete(principal(), payload, idem=idempotency(payload)))
 
 
 @bp.post("/bench/chat/completions")
 def bench_chat_completions() -> Response | tuple[Response, int]:
-    return _reply(services().chat.complete(principal(), json_body(), bench=True))
+    payload = json_body()
+    return _reply(services().chat.complete(principal(), payload, bench=True, idem=idempotency(payload)))

@@ -7,6 +7,7 @@ from typing import Any, cast
 from flask import current_app, g, request
 
 from app.container import Services
+from app.services.idempotency import IdempotencyKey
 from app.services.keys import Principal
 from app.services.parsing import load_json
 
@@ -21,10 +22,15 @@ def authenticate() -> None:
     scheme, _, key = header.partition(" ")
     token = key.strip() if scheme.lower() == "bearer" else None
     g.principal = services().keys.authenticate(token)
+    services().limiter.check(g.principal.key_id)
 
 
 def principal() -> Principal:
     return cast(Principal, g.principal)
+
+
+def idempotency(payload: Any) -> IdempotencyKey | None:
+    return IdempotencyKey.from_header(request.headers.get("Idempotency-Key"), request.path, payload)
 
 
 def json_body() -> Any:

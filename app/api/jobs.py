@@ -5,7 +5,7 @@ from __future__ import annotations
 from flask import Blueprint, Response, jsonify, request
 
 from app.api.chat import sse_response
-from app.api.deps import authenticate, json_body, principal, services
+from app.api.deps import authenticate, idempotency, json_body, principal, services
 from app.errors import InvalidRequest
 
 bp = Blueprint("jobs", __name__)
@@ -14,7 +14,8 @@ bp.before_request(authenticate)
 
 @bp.post("/v2/jobs")
 def submit_job() -> tuple[Response, int]:
-    job = services().jobs.submit(principal(), json_body())
+    payload = json_body()
+    job = services().jobs.submit(principal(), payload, idem=idempotency(payload))
     return jsonify(job.model_dump(mode="json")), 202
 
 

@@ -29,6 +29,7 @@ from app.schemas.batches import (
     OutputTokensDetails,
     RequestCounts,
 )
+from app.services.idempotency import IdempotencyKey, IdempotencyLocks
 from app.services.keys import Principal
 from app.services.parsing import parse_model
 
@@ -79,17 +80,58 @@ def window_seconds(window: str) -> int:
 
 
 class BatchService:
-    def __init__(self, db: Database, events: JobEvents) -> None:
+    def __init__(
+        self,
+        db: Database,
+        events: JobEvents,
+        *,
+        locks: IdempotencyLocks | None = None,
+        idempotency_ttl_seconds: int = 24 * 3600,
+    ) -> None:
         self._db = db
         self._events = events
+        self._locks = locks
+        self._idempotency_ttl = idempotency_ttl_seconds
 
     # --- create -------------------------------------------------------------------------
 
-    def create(self, principal: Principal, payload: Any, *, parent: str | None = None) -> BatchObject:
+    def create(
+        self,
+        principal: Principal,
+        payload: Any,
+        *,
+        parent: str | None = None,
+        idem: IdempotencyKey | None = None,
+    ) -> BatchObject:
         """Raises:
         InvalidRequest: bad fields, an endpoint the file's lines do not use, too much metadata.
         NotFound: no such input file for this tenant.
+        Conflict / Unprocessable: the idempotency key is in use, or was used with another body.
         """
+        if idem is None or self._locks is None:
+            return self._create(principal, payload, parent, None)
+        with self._locks.hold(principal.tenant_id, idem):
+            with self._db.session() as s:
+                found = s.scalar(
+                    select(Batch).where(
+                        Batch.tenant_id == principal.tenant_id, Batch.idempotency_key == idem.key
+                    )
+                )
+                if (
+                    found is not None
+                    and (datetime.now(UTC) - found.created_at).total_seconds() > self._idempotency_ttl
+                ):
+                    found.idempotency_key = None
+                    found = None
+                if found is not None:
+                    idem.check_same(found.request_hash)
+            if found is not None:
+                return self.get(principal, found.id)
+            return self._create(principal, payload, parent, idem)
+
+    def _create(
+        self, principal: Principal, payload: Any, parent: str | None, idem: IdempotencyKey | None
+    ) -> BatchObject:
         req = parse_model(BatchCreate, payload)
         if req.endpoint not in BATCH_ENDPOINTS:
             raise InvalidRequest(
@@ -131,6 +173,8 @@ class BatchService:
                 metadata_=req.metadata,
                 total=f.line_count,
                 parent_batch_id=parent,
+                idempotency_key=idem.key if idem else None,
+                request_hash=idem.fingerprint if idem else None,
                 created_at=now,
                 in_progress_at=now,
                 expires_at=now + timedelta(seconds=seconds),

@@ -14,6 +14,7 @@ from typing import Any
 from app.errors import Conflict, EngineError, InvalidRequest, LlmqError
 from app.models import JobKind, JobStatus
 from app.schemas.jobs import JobObject
+from app.services.idempotency import IdempotencyKey
 from app.services.jobs import JobService
 from app.services.keys import Principal
 from app.services.streaming import StreamService
@@ -46,7 +47,9 @@ class ChatService:
         self._streams = streams
         self._wait = wait_seconds
 
-    def complete(self, principal: Principal, payload: Any, *, bench: bool = False) -> ChatResult:
+    def complete(
+        self, principal: Principal, payload: Any, *, bench: bool = False, idem: IdempotencyKey | None = None
+    ) -> ChatResult:
         """Raises:
         InvalidRequest and friends: the request cannot run here (nothing is stored).
         LlmqError: the job itself failed; its error, with the status its type implies.
@@ -56,7 +59,9 @@ class ChatService:
             raise InvalidRequest(
                 "bench requests need `max_tokens`: they generate exactly that many", param="max_tokens"
             )
-        job = self._jobs.submit_request(principal, request, kind=JobKind.BENCH if bench else JobKind.CHAT)
+        job = self._jobs.submit_request(
+            principal, request, kind=JobKind.BENCH if bench else JobKind.CHAT, idem=idem
+        )
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
             stream = self._streams.open_stream(principal, job.id, None, include_usage=include_usage)

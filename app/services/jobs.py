@@ -6,10 +6,10 @@ import logging
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import insert, select, update
+from sqlalchemy import func, insert, select, update
 
 from app.db import Database
-from app.errors import Conflict, InvalidRequest, NotFound
+from app.errors import Conflict, InvalidRequest, NotFound, RateLimited
 from app.events import JobEvents, end_event
 from app.ids import new_id
 from app.models import Job, JobKind, JobStatus
@@ -17,6 +17,7 @@ from app.queue import JobQueue
 from app.schemas.chat import ChatCompletionV2Request
 from app.schemas.jobs import JobList, JobObject
 from app.services.contract import RequestPolicy
+from app.services.idempotency import IdempotencyKey, IdempotencyLocks
 from app.services.keys import Principal
 from app.services.parsing import parse_model
 
@@ -86,12 +87,18 @@ class JobService:
         policy: RequestPolicy,
         *,
         cancel_wait_seconds: float,
+        locks: IdempotencyLocks | None = None,
+        idempotency_ttl_seconds: int = 24 * 3600,
+        max_active_per_tenant: int = 0,
     ) -> None:
         self._db = db
         self._queue = queue
         self._events = events
         self._policy = policy
         self._cancel_wait = cancel_wait_seconds
+        self._locks = locks
+        self._idempotency_ttl = idempotency_ttl_seconds
+        self._max_active = max_active_per_tenant
 
     def validate(self, payload: Any, *, streaming: bool = False) -> ChatCompletionV2Request:
         """Raises:
@@ -101,15 +108,73 @@ class JobService:
         self._policy.check(request, streaming=streaming)
         return request
 
-    def submit(self, principal: Principal, payload: Any) -> JobObject:
+    def submit(self, principal: Principal, payload: Any, idem: IdempotencyKey | None = None) -> JobObject:
         """`POST /v2/jobs`: validate, store, enqueue."""
-        return self.submit_request(principal, self.validate(payload))
+        return self.submit_request(principal, self.validate(payload), idem=idem)
 
     def submit_request(
-        self, principal: Principal, request: ChatCompletionV2Request, *, kind: JobKind = JobKind.CHAT
+        self,
+        principal: Principal,
+        request: ChatCompletionV2Request,
+        *,
+        kind: JobKind = JobKind.CHAT,
+        idem: IdempotencyKey | None = None,
     ) -> JobObject:
         """Store, then enqueue one validated job. The job is durable before any message
-        names it; if Redis is down the sweeper sends the message once it is back."""
+        names it; if Redis is down the sweeper sends the message once it is back. With an
+        idempotency key seen before (same body), the job it made is returned instead.
+
+        Raises:
+            Conflict: the same key is being handled right now.
+            Unprocessable: the key was used with another body.
+            RateLimited: the tenant has too many single jobs queued or running.
+        """
+        if idem is None or self._locks is None:
+            return self._insert(principal, request, kind, None)
+        with self._locks.hold(principal.tenant_id, idem):
+            existing = self._replay(principal, idem)
+            return existing if existing is not None else self._insert(principal, request, kind, idem)
+
+    def _replay(self, principal: Principal, idem: IdempotencyKey) -> JobObject | None:
+        with self._db.session() as s:
+            job = s.scalar(
+                select(Job).where(Job.tenant_id == principal.tenant_id, Job.idempotency_key == idem.key)
+            )
+            if job is None:
+                return None
+            if (datetime.now(UTC) - job.created_at).total_seconds() > self._idempotency_ttl:
+                job.idempotency_key = None  # expired: the key is free again
+                return None
+            idem.check_same(job.request_hash)
+            return to_job_object(job)
+
+    def _check_active(self, principal: Principal) -> None:
+        if not self._max_active:
+            return
+        with self._db.session() as s:
+            active = s.scalar(
+                select(func.count())
+                .select_from(Job)
+                .where(
+                    Job.tenant_id == principal.tenant_id,
+                    Job.batch_id.is_(None),
+                    Job.status.in_((JobStatus.QUEUED.value, JobStatus.RUNNING.value)),
+                )
+            )
+        if active is not None and active >= self._max_active:
+            raise RateLimited(
+                f"{active} jobs are queued or running for this tenant; the cap is {self._max_active}",
+                retry_after=5,
+            )
+
+    def _insert(
+        self,
+        principal: Principal,
+        request: ChatCompletionV2Request,
+        kind: JobKind,
+        idem: IdempotencyKey | None,
+    ) -> JobObject:
+        self._check_active(principal)
         now = datetime.now(UTC)
         values: dict[str, Any] = {
             "id": new_id("job"),
@@ -126,6 +191,8 @@ class JobService:
             # The message is sent right after commit; if that send is lost, the sweeper
             # finds no marker once the grace period has passed and sends it again.
             "enqueued_at": now,
+            "idempotency_key": idem.key if idem else None,
+            "request_hash": idem.fingerprint if idem else None,
         }
         with self._db.session() as s:
             # A Core insert: the ORM unit of work would cost about a millisecond per job here.

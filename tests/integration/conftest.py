@@ -51,6 +51,8 @@ def stack_env(stores: Stores, model: Path, served_name: str, **extra: str) -> di
             "LLMQ_REQUEUE_GRACE_SECONDS": "5",
             "LLMQ_WORKER_HEARTBEAT_SECONDS": "1",
             "LLMQ_SHUTDOWN_GRACE_SECONDS": "3",
+            # Tests poll hard; the limiter has its own tests (tests/api/test_limits.py).
+            "LLMQ_RATE_LIMIT_PER_MINUTE": "0",
             "PYTHONUNBUFFERED": "1",
             **extra,
         }

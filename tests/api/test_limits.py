@@ -1,0 +1,124 @@
+"""Idempotency keys (R12), per-key rate limits (X7) and the per-tenant cap on active jobs."""
+
+from __future__ import annotations
+
+import secrets
+from datetime import timedelta
+
+import pytest
+from flask.testing import FlaskClient
+from sqlalchemy import text
+
+from app.api import create_app
+from app.container import build_services
+from app.services.idempotency import IdempotencyKey
+from tests.conftest import Stores, auth, make_settings
+
+
+def body(**fields) -> dict:
+    return {"model": "api-only", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, **fields}
+
+
+@pytest.fixture
+def key(services) -> tuple[str, str]:  # type: ignore[no-untyped-def]
+    tenant = f"tenant-limits-{secrets.token_hex(3)}"
+    return tenant, services.keys.create_key(tenant)
+
+
+def post(client: FlaskClient, api_key: str, idem: str | None, payload: dict, path: str = "/v2/jobs"):  # type: ignore[no-untyped-def]
+    headers = auth(api_key) | ({"Idempotency-Key": idem} if idem else {})
+    return client.post(path, json=payload, headers=headers)
+
+
+def test_same_key_same_body_replays_the_same_job(client: FlaskClient, key) -> None:
+    _, api_key = key
+    first = post(client, api_key, "order-1", body())
+    again = post(client, api_key, "order-1", body())
+    assert first.status_code == again.status_code == 202
+    assert first.get_json()["id"] == again.get_json()["id"]
+    other = post(client, api_key, "order-2", body())
+    assert other.get_json()["id"] != first.get_json()["id"]
+
+
+def test_same_key_other_body_is_422(client: FlaskClient, key) -> None:
+    _, api_key = key
+    post(client, api_key, "k", body())
+    r = post(client, api_key, "k", body(max_tokens=4))
+    assert r.status_code == 422
+    assert r.get_json()["error"]["param"] == "Idempotency-Key"
+    assert r.get_json()["error"]["code"] == "idempotency_key_reused"
+
+
+def test_concurrent_duplicate_is_409(client: FlaskClient, key, services) -> None:
+    tenant, api_key = key
+    idem = IdempotencyKey.from_header("busy", "/v2/jobs", body())
+    with services.jobs._locks.hold(tenant, idem):  # another request is handling this key
+        r = post(client, api_key, "busy", body())
+    assert r.status_code == 409 and r.get_json()["error"]["code"] == "idempotency_key_in_use"
+    assert post(client, api_key, "busy", body()).status_code == 202
+
+
+def test_keys_are_per_tenant_and_expire(client: FlaskClient, key, services) -> None:
+    _, api_key = key
+    other = services.keys.create_key(f"tenant-limits-other-{secrets.token_hex(3)}")
+    a = post(client, api_key, "shared", body()).get_json()["id"]
+    b = post(client, other, "shared", body()).get_json()["id"]
+    assert a != b
+    with services.db.session() as s:
+        s.execute(
+            text("UPDATE jobs SET created_at = created_at - :age WHERE id = :id"),
+            {"age": timedelta(days=2), "id": a},
+        )
+    assert post(client, api_key, "shared", body(max_tokens=9)).get_json()["id"] != a  # expired: a new request
+
+
+def test_idempotent_batch_create(client: FlaskClient, key) -> None:
+    import io
+    import json
+
+    _, api_key = key
+    line = {"custom_id": "x", "method": "POST", "url": "/v1/chat/completions", "body": body()}
+    f = client.post(
+        "/v1/files",
+        data={"purpose": "batch", "file": (io.BytesIO(json.dumps(line).encode() + b"\n"), "f.jsonl")},
+        headers=auth(api_key),
+        content_type="multipart/form-data",
+    ).get_json()
+    payload = {"input_file_id": f["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+    first = post(client, api_key, "batch-1", payload, "/v1/batches").get_json()
+    again = post(client, api_key, "batch-1", payload, "/v1/batches").get_json()
+    assert first["id"] == again["id"]
+    assert (
+        post(client, api_key, "batch-1", {**payload, "completion_window": "1h"}, "/v1/batches").status_code
+        == 422
+    )
+
+
+def test_bad_idempotency_key(client: FlaskClient, key) -> None:
+    _, api_key = key
+    r = post(client, api_key, "x" * 300, body())
+    assert r.status_code == 400 and r.get_json()["error"]["param"] == "Idempotency-Key"
+
+
+def test_one_key_flooding_gets_429_and_others_do_not(stores: Stores) -> None:
+    settings = make_settings(stores, rate_limit_per_minute=60, rate_limit_burst=3)
+    services = build_services(settings)
+    client = create_app(settings, services=services).test_client()
+    flood = services.keys.create_key(f"tenant-flood-{secrets.token_hex(3)}")
+    calm = services.keys.create_key(f"tenant-calm-{secrets.token_hex(3)}")
+    codes = [client.get("/v2/jobs", headers=auth(flood)).status_code for _ in range(5)]
+    assert codes[:3] == [200, 200, 200] and codes[3:] == [429, 429]
+    limited = client.get("/v2/jobs", headers=auth(flood))
+    assert int(limited.headers["Retry-After"]) >= 1
+    assert limited.get_json()["error"]["type"] == "rate_limit_error"
+    assert client.get("/v2/jobs", headers=auth(calm)).status_code == 200
+    services.close()
+
+
+def test_active_job_cap_per_tenant(stores: Stores) -> None:
+    settings = make_settings(stores, max_active_jobs_per_tenant=2)
+    services = build_services(settings)
+    client = create_app(settings, services=services).test_client()
+    api_key = services.keys.create_key(f"tenant-cap-{secrets.token_hex(3)}")
+    assert [post(client, api_key, None, body()).status_code for _ in range(3)] == [202, 202, 429]
+    services.close()
