@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from sqlalchemy import Engine, create_engine, text
+from sqlalchemy import Engine, create_engine
 from sqlalchemy.orm import Session, sessionmaker
 
 
@@ -45,19 +45,6 @@ class Database:
         """A transaction: commits when the block ends, rolls back when it raises."""
         with self._sessions() as session, session.begin():
             yield session
-
-    @contextmanager
-    def try_lock(self, key: int) -> Iterator[bool]:
-        """A cluster-wide mutex: a session-level advisory lock held on one connection for
-        the block. Yields whether this caller got it (it does not wait)."""
-        with self.engine.connect() as conn:
-            got = bool(conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": key}).scalar())
-            try:
-                yield got
-            finally:
-                if got:
-                    conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": key})
-                conn.commit()
 
     def dispose(self) -> None:
         self.engine.dispose()

@@ -3,12 +3,17 @@
 The API sends tasks by name (`llmq.run_job`), so it never imports worker code. A message
 only names a job id; the job itself lives in Postgres. After a message is sent, a marker
 key says so; the sweeper re-sends a queued job whose marker is gone (Redis restarted, or
-the API died between commit and send).
+the API died between commit and send). A message that a worker took but never claimed
+(the worker died first) sits in the broker's unacknowledged set until the visibility
+timeout, hours away: the sweeper finds such deliveries, drops them and sends again.
 """
 
 from __future__ import annotations
 
+import base64
+import json
 import re
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,6 +25,9 @@ from app.settings import Settings
 RUN_JOB_TASK = "llmq.run_job"
 RUN_JOBS_TASK = "llmq.run_jobs"
 SENT_MARKER = "llmq:sent:{job_id}"
+# kombu's Redis transport: delivered, unacknowledged messages and their delivery times.
+UNACKED = "unacked"
+UNACKED_INDEX = "unacked_index"
 
 # Redis lists per priority; 0 is consumed first.
 PRIORITY_STEPS = list(range(10))
@@ -102,6 +110,28 @@ class JobQueue:
         if job_ids:
             self._redis.delete(*(SENT_MARKER.format(job_id=j) for j in job_ids))
 
+    def stale_deliveries(self, older_than_seconds: float, limit: int = 1000) -> dict[str, list[str]]:
+        """Messages a worker took over `older_than_seconds` ago and has not acknowledged:
+        {delivery tag: the job ids they name}. A running job's message is among them."""
+        cutoff = time.time() - older_than_seconds
+        tags = self._redis.zrangebyscore(UNACKED_INDEX, "-inf", cutoff, start=0, num=limit)
+        if not tags:
+            return {}
+        found = {}
+        for tag, raw in zip(tags, self._redis.hmget(UNACKED, tags), strict=True):
+            job_ids = _job_ids(raw) if raw is not None else None
+            if job_ids is not None:
+                found[tag.decode()] = job_ids
+        return found
+
+    def drop_deliveries(self, tags: Sequence[str]) -> None:
+        """Forget deliveries for good: the broker will not hand them out again."""
+        if tags:
+            pipe = self._redis.pipeline()
+            pipe.zrem(UNACKED_INDEX, *tags)
+            pipe.hdel(UNACKED, *tags)
+            pipe.execute()
+
     def missing_markers(self, job_ids: Sequence[str]) -> list[str]:
         """The ids among `job_ids` with no live message marker."""
         if not job_ids:
@@ -110,3 +140,21 @@ class JobQueue:
         for job_id in job_ids:
             pipe.exists(SENT_MARKER.format(job_id=job_id))
         return [j for j, exists in zip(job_ids, pipe.execute(), strict=True) if not exists]
+
+
+def _job_ids(raw: bytes) -> list[str] | None:
+    """The job ids an unacknowledged message names; None for anything else."""
+    try:
+        message = json.loads(raw)[0]
+        body = message["body"]
+        if message["properties"].get("body_encoding") == "base64":
+            body = base64.b64decode(body)
+        args = json.loads(body)[0]
+        task = message["headers"]["task"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        return None
+    if task == RUN_JOB_TASK and args and isinstance(args[0], str):
+        return [args[0]]
+    if task == RUN_JOBS_TASK and args and isinstance(args[0], list):
+        return [str(j) for j in args[0]]
+    return None

@@ -28,6 +28,9 @@ class Settings(BaseSettings):
     # Model and engine. `instant` answers at once without a model: for overhead
     # benchmarks only, never a default.
     engine: Literal["vllm", "instant"] = "vllm"
+    instant_token_seconds: float = Field(
+        default=0.0, ge=0, description="Instant engine only: delay per token."
+    )
     model: str | None = Field(default=None, description="Local model folder or a name the engine resolves.")
     served_model_name: str | None = Field(
         default=None, description="Name clients use; defaults to the model folder's name."

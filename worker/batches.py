@@ -7,18 +7,17 @@ import logging
 import threading
 import time
 
-from app.db import Database
 from app.services.batch_lifecycle import BatchLifecycle
+from worker.leader import LeaseLock
 
 log = logging.getLogger("llmq.batches")
 
-FEED_LOCK_KEY = 7243002
 FINALIZE_EVERY_SECONDS = 1.0
 
 
 class BatchScheduler:
-    def __init__(self, db: Database, lifecycle: BatchLifecycle, *, tick_seconds: float) -> None:
-        self._db = db
+    def __init__(self, lock: LeaseLock, lifecycle: BatchLifecycle, *, tick_seconds: float) -> None:
+        self._lock = lock
         self._lifecycle = lifecycle
         self._tick = tick_seconds
         self._stop = threading.Event()
@@ -26,7 +25,7 @@ class BatchScheduler:
         self._last_finalize = 0.0
 
     def tick(self) -> None:
-        with self._db.try_lock(FEED_LOCK_KEY) as mine:
+        with self._lock.hold() as mine:
             if not mine:
                 return
             fed = self._lifecycle.feed()

@@ -13,12 +13,14 @@ from kombu import Queue
 from app.queue import celery_config, queue_name
 from app.settings import Settings
 from worker import runtime
+from worker.kombu_fixes import survive_broker_loss
 from worker.tasks import register_tasks
 
 log = logging.getLogger("llmq.worker")
 
 
 def create_celery(settings: Settings) -> Celery:
+    survive_broker_loss()
     app = Celery("llmq-worker")
     app.conf.update(celery_config(settings))
     app.conf.update(

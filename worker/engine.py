@@ -8,6 +8,8 @@ never as a default.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -100,9 +102,15 @@ class ByteRenderer:
         return list(text.encode("utf-8"))
 
 
+CRASH_MARKER = "__llmq_test_crash__"
+
+
 class InstantEngine:
     """Answers every request at once with deterministic text; for tests and overhead
-    benchmarks only. Each output token is the word `tok` plus its position."""
+    benchmarks only. Each output token is the word `tok` plus its position.
+
+    For fault tests: `delay` seconds per token make jobs take time, and a prompt holding
+    `CRASH_MARKER` kills the whole worker process, as a poison request might."""
 
     name = "instant"
     version = "0"
@@ -121,6 +129,8 @@ class InstantEngine:
             raise PromptTooLong(
                 f"prompt is {len(spec.prompt_token_ids)} tokens; the context is {self._context}"
             )
+        if CRASH_MARKER.encode() in bytes(b for b in spec.prompt_token_ids if b < 256):
+            os.kill(os.getpid(), signal.SIGKILL)
         limit = int(spec.sampling.get("max_tokens") or 16)
         prompt = len(spec.prompt_token_ids)
         for step in range(limit):

@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError, SQLAlchemyError
 
@@ -27,6 +27,8 @@ from worker.streaming import JobStream, StreamPublisher, StreamShape
 from worker.translate import Renderer, Translation, translate
 
 log = logging.getLogger("llmq.runner")
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -180,7 +182,10 @@ class JobRunner:
         if self.engine_dead.is_set():
             raise EngineDead("engine is dead; refusing new work")
         cfg = self._config
-        claims = self._store.claim_many(job_ids, cfg.worker_name, cfg.lease_seconds, cfg.max_attempts)
+        claims = self._persist(
+            lambda: self._store.claim_many(job_ids, cfg.worker_name, cfg.lease_seconds, cfg.max_attempts),
+            {"jobs": len(job_ids)},
+        )
         quiet = len(job_ids) > 1
         if len(claims) < len(job_ids):
             log.info("jobs not claimable; skipped", extra={"count": len(job_ids) - len(claims)})
@@ -402,7 +407,7 @@ class JobRunner:
             )
             return self._persist(lambda: self._store.finish_many([run.result]), run.ctx)  # type: ignore[list-item]
 
-    def _persist(self, write: Callable[[], set[str]], ctx: dict[str, Any]) -> set[str]:
+    def _persist(self, write: Callable[[], T], ctx: dict[str, Any]) -> T:
         """Run a fenced write, retrying with backoff while the database is unreachable
         (a restart, a failover). Other database errors propagate."""
         delay = 0.5

@@ -22,6 +22,7 @@ from app.settings import Settings
 from worker.batches import BatchScheduler
 from worker.control import CancelListener, LeaseKeeper, RegistryHeartbeat
 from worker.engine import Engine, InstantEngine
+from worker.leader import LeaseLock
 from worker.loop import LoopThread
 from worker.runner import JobRunner, RunnerConfig
 from worker.stats import ResourceSampler, find_power_sensor
@@ -33,6 +34,9 @@ from worker.translate import Renderer
 log = logging.getLogger("llmq.worker")
 
 _current: WorkerRuntime | None = None
+
+# How long a paused or partitioned leader keeps the sweeper or the batch scheduler to itself.
+LEADER_LEASE_SECONDS = 20.0
 
 
 def current() -> WorkerRuntime:
@@ -65,7 +69,9 @@ def build_engine(settings: Settings) -> tuple[Engine, Renderer]:
     if settings.engine == "instant":
         from worker.engine import ByteRenderer
 
-        return InstantEngine(context=settings.max_model_len or 4096), ByteRenderer()
+        return InstantEngine(
+            context=settings.max_model_len or 4096, delay=settings.instant_token_seconds
+        ), ByteRenderer()
     from app.services.prompts import ChatRenderer, TemplateSandbox
     from worker.vllm_engine import VllmEngine
 
@@ -132,9 +138,10 @@ class WorkerRuntime:
             max_attempts=settings.max_attempts,
             grace_seconds=settings.requeue_grace_seconds,
             interval_seconds=settings.sweeper_interval_seconds,
+            lock=LeaseLock(self.redis, "sweeper", self.name, lease_seconds=LEADER_LEASE_SECONDS),
         )
         self.batches = BatchScheduler(
-            self.db,
+            LeaseLock(self.redis, "batches", self.name, lease_seconds=LEADER_LEASE_SECONDS),
             BatchLifecycle(
                 self.db,
                 self.queue,

@@ -219,6 +219,13 @@ class JobStore:
             rows = s.execute(sql, {"grace": grace_seconds, "limit": limit}).all()
         return [(Expired(*r[:5]), bool(r[5])) for r in rows]
 
+    def queued_among(self, job_ids: list[str]) -> set[str]:
+        if not job_ids:
+            return set()
+        with self._db.session() as s:
+            rows = s.scalars(select(Job.id).where(Job.id.in_(job_ids), Job.status == JobStatus.QUEUED.value))
+            return set(rows)
+
     def undispatch(self, job_ids: list[str]) -> None:
         """Batch lines whose message was lost go back to the feeder."""
         if not job_ids:

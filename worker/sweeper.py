@@ -15,11 +15,10 @@ from app.db import Database
 from app.events import JobEvents, end_event
 from app.models import JobStatus
 from app.queue import JobQueue
+from worker.leader import LeaseLock
 from worker.store import JobStore
 
 log = logging.getLogger("llmq.sweeper")
-
-SWEEP_LOCK_KEY = 7243001
 
 
 @dataclass
@@ -28,6 +27,7 @@ class SweepReport:
     failed: int = 0
     cancelled: int = 0
     resent: int = 0
+    unclaimed: int = 0
 
 
 class Sweeper:
@@ -41,7 +41,9 @@ class Sweeper:
         max_attempts: int,
         grace_seconds: float,
         interval_seconds: float,
+        lock: LeaseLock,
     ) -> None:
+        self._lock = lock
         self._db = db
         self._store = store
         self._queue = queue
@@ -54,7 +56,7 @@ class Sweeper:
 
     def sweep_once(self) -> SweepReport:
         report = SweepReport()
-        with self._db.try_lock(SWEEP_LOCK_KEY) as mine:
+        with self._lock.hold() as mine:
             if not mine:
                 return report
             for job in self._store.expire_leases(self._max_attempts):
@@ -68,6 +70,7 @@ class Sweeper:
                 error = (job.error or {}).get("error")
                 self._events.append_end(job.job_id, end_event(job.epoch, job.status, error))
                 log.warning("lease expired; job ended", extra={"job_id": job.job_id, "status": job.status})
+            report.unclaimed = self._reclaim_unclaimed()
             stale = self._store.stale_queued(self._grace)
             to_check = [job.job_id for job, never_sent in stale if not never_sent]
             missing = set(self._queue.missing_markers(to_check))
@@ -81,9 +84,25 @@ class Sweeper:
             self._store.mark_enqueued([job.job_id for job, _ in stale if job.job_id not in lost_lines])
             self._store.undispatch(lost_lines)
             report.resent += len(lost_lines)
-        if report.requeued or report.failed or report.cancelled or report.resent:
+        if any(vars(report).values()):
             log.info("sweep", extra=vars(report))
         return report
+
+    def _reclaim_unclaimed(self) -> int:
+        """Deliveries older than the grace whose jobs are still queued: the worker that
+        took them died (or hung) before claiming. Their markers go, so they are sent again
+        below; a late claim by a hung worker loses to the fence."""
+        deliveries = self._queue.stale_deliveries(self._grace)
+        if not deliveries:
+            return 0
+        queued = self._store.queued_among([j for ids in deliveries.values() for j in ids])
+        tags = [tag for tag, ids in deliveries.items() if queued.intersection(ids)]
+        if not tags:
+            return 0
+        self._queue.drop_deliveries(tags)
+        self._queue.forget(*queued)
+        log.warning("messages taken but never claimed; sending again", extra={"jobs": len(queued)})
+        return len(queued)
 
     def _loop(self) -> None:
         while not self._stop.wait(self._interval):

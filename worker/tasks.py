@@ -12,14 +12,19 @@ def register_tasks(app: Celery) -> None:
     @app.task(name=RUN_JOB_TASK, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
     def run_job(job_id: str) -> str | None:
         rt = runtime.current()
-        status = rt.runner.run(job_id)
-        rt.queue.forget(job_id)
-        return status
+        try:
+            return rt.runner.run(job_id)
+        finally:
+            # Whatever happened, this message is spent: without its marker, a job left
+            # queued is sent again by the sweeper.
+            rt.queue.forget(job_id)
 
     @app.task(name=RUN_JOBS_TASK, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
     def run_jobs(job_ids: list[str]) -> int:
         """A chunk of batch lines, run together in the engine."""
         rt = runtime.current()
-        statuses = rt.runner.run_many(job_ids)
-        rt.queue.forget(*job_ids)
+        try:
+            statuses = rt.runner.run_many(job_ids)
+        finally:
+            rt.queue.forget(*job_ids)
         return sum(1 for s in statuses.values() if s is not None)

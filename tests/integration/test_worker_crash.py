@@ -72,7 +72,7 @@ def test_kill_9_worker_mid_run_then_restart(stores: Stores, tiny_model: Path, lo
     try:
         deadline = time.monotonic() + 240
         while not all(r["status"] in ("succeeded", "failed", "cancelled") for r in rows().values()):
-            assert time.monotonic() < deadline, rows()
+            assert time.monotonic() < deadline, (rows(), second.log_path.read_text(errors="replace")[-4000:])
             time.sleep(0.5)
         after = rows()
     finally:

@@ -1,0 +1,81 @@
+"""The sweeper against real Postgres and a real broker: a message that a worker took and
+never claimed (it died first) is sent again, not left for the visibility timeout."""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+
+from sqlalchemy import text
+
+from app.queue import UNACKED, UNACKED_INDEX, queue_name
+from tests.api.test_store import queued
+from worker.leader import LeaseLock
+from worker.store import JobStore
+from worker.sweeper import Sweeper
+
+
+def take_message(services, job_id: str) -> str:  # type: ignore[no-untyped-def]
+    """What a worker that dies at once does to `job_id`'s message: takes it off the queue
+    into the broker's unacknowledged set (kombu's layout) and never acknowledges it."""
+    r = services.redis
+    for key in r.scan_iter(f"{queue_name('api-only')}*"):
+        if r.type(key) != b"list":
+            continue
+        for raw in r.lrange(key, 0, -1):
+            message = json.loads(raw)
+            if json.loads(base64.b64decode(message["body"]))[0] == [job_id]:
+                tag = message["properties"]["delivery_tag"]
+                r.lrem(key, 1, raw)
+                r.hset(UNACKED, tag, json.dumps([message, "", queue_name("api-only")]))
+                r.zadd(UNACKED_INDEX, {tag: time.time()})
+                return str(tag)
+    raise AssertionError(f"no message for {job_id}")
+
+
+def sweeper(services) -> Sweeper:  # type: ignore[no-untyped-def]
+    lock = LeaseLock(services.redis, f"sweeper-test-{time.time()}", "me", lease_seconds=5)
+    return Sweeper(
+        services.db,
+        JobStore(services.db),
+        services.queue,
+        services.events,
+        max_attempts=3,
+        grace_seconds=30,
+        interval_seconds=1,
+        lock=lock,
+    )
+
+
+def age(services, job_id: str, tag: str, seconds: float) -> None:  # type: ignore[no-untyped-def]
+    services.redis.zadd(UNACKED_INDEX, {tag: time.time() - seconds})
+    with services.db.session() as s:
+        s.execute(
+            text("UPDATE jobs SET enqueued_at = now() - make_interval(secs => :s) WHERE id = :i"),
+            {"s": seconds, "i": job_id},
+        )
+
+
+def test_a_message_taken_and_never_claimed_is_sent_again(services) -> None:
+    (job_id,) = queued(services, 1)
+    tag = take_message(services, job_id)
+    age(services, job_id, tag, 60)
+
+    report = sweeper(services).sweep_once()
+
+    assert report.unclaimed == 1 and report.resent >= 1
+    assert services.redis.hget(UNACKED, tag) is None  # never handed out again
+    assert take_message(services, job_id) != tag  # a new message names the job
+
+
+def test_a_running_jobs_message_is_left_alone(services) -> None:
+    (job_id,) = queued(services, 1)
+    tag = take_message(services, job_id)
+    JobStore(services.db).claim_many([job_id], "w-alive", 300, 3)
+    age(services, job_id, tag, 60)
+
+    report = sweeper(services).sweep_once()
+
+    assert report.unclaimed == 0
+    assert services.redis.hget(UNACKED, tag) is not None

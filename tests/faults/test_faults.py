@@ -1,0 +1,210 @@
+"""RELIABILITY.md's scenarios, each a fault injected into the running stack, each ending
+with INV. R1, R9 and R11 with vLLM are in tests/integration/test_batches.py; S1-S4 in
+tests/integration/test_streaming.py and test_redis_restart.py; R12 in tests/api/test_limits.py."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import redis
+
+from app.services.health import live_workers
+from tests.conftest import auth
+from tests.faults.conftest import MODEL, FaultStack
+from tests.integration.conftest import WorkerProcess, stack_env
+from worker.engine import CRASH_MARKER
+
+pytestmark = pytest.mark.integration
+
+DONE = "status IN ('succeeded', 'failed', 'cancelled', 'expired')"
+
+
+def log_text(worker: WorkerProcess) -> str:
+    return worker.log_path.read_text(errors="replace")
+
+
+def test_r1_kill_9_half_way_keeps_finished_lines(fault_stack: FaultStack) -> None:
+    first = fault_stack.worker("r1-a")
+    batch = fault_stack.batch(300, max_tokens=100)
+    fault_stack.wait_rows(batch, "status = 'succeeded'", 150)
+    first.kill(signal.SIGKILL)
+    before = fault_stack.rows(batch, "status = 'succeeded'")
+    fault_stack.worker("r1-b")
+    done = fault_stack.wait_batch(batch)
+    assert done["status"] == "completed" and done["request_counts"]["completed"] == 300
+    after = fault_stack.rows(batch, "status = 'succeeded'")
+    assert {k: after[k] for k in before} == before
+    fault_stack.inv(batch, 300)
+
+
+def test_r3_redelivery_past_visibility_timeout_never_runs_a_line_twice(fault_stack: FaultStack) -> None:
+    short = {"LLMQ_VISIBILITY_TIMEOUT_SECONDS": "2"}
+    fault_stack.worker("r3-a", **short)
+    fault_stack.worker("r3-b", **short)
+    batch = fault_stack.batch(64, max_tokens=500)  # 5 s a line, past the 2 s visibility timeout
+    done = fault_stack.wait_batch(batch, timeout=180)
+    assert done["status"] == "completed"
+    rows = fault_stack.rows(batch)
+    assert all(r["attempts"] == 1 and r["epoch"] == 1 for r in rows.values()), "a line was claimed twice"
+    fault_stack.inv(batch, 64)
+
+
+def test_r4_paused_worker_is_fenced_off(fault_stack: FaultStack) -> None:
+    stale = fault_stack.worker("r4-a")
+    batch = fault_stack.batch(48, max_tokens=400)  # 4 s a line
+    fault_stack.wait_rows(batch, "status = 'running'", 16)
+    os.killpg(stale.proc.pid, signal.SIGSTOP)  # type: ignore[union-attr]
+    paused_at = time.monotonic()
+    taken = set(fault_stack.rows(batch, "status = 'running'"))
+    fault_stack.worker("r4-b")
+    # Its leases lapse (3 s), the sweeper of the new worker requeues them, the new one runs them.
+    fault_stack.wait_rows(batch, "status = 'succeeded' AND attempts = 2", 1, timeout=60)
+    time.sleep(max(0.0, 8 - (time.monotonic() - paused_at)))
+    os.killpg(stale.proc.pid, signal.SIGCONT)  # type: ignore[union-attr]
+    done = fault_stack.wait_batch(batch, timeout=180)
+    assert done["status"] == "completed"
+    rows = fault_stack.rows(batch)
+    stale_name = f"llmq-{stale.proc.pid}@"  # type: ignore[union-attr]
+    for job_id in taken:
+        assert rows[job_id]["epoch"] >= 2
+        assert not rows[job_id]["finished_by"].startswith(stale_name), "a stale write got through"
+    fault_stack.inv(batch, 48)
+
+
+def test_r5_redis_restart_during_enqueue_and_processing(fault_stack: FaultStack) -> None:
+    worker = fault_stack.worker("r5")
+    batch = fault_stack.batch(200, max_tokens=50)
+    fault_stack.wait_rows(batch, "status = 'succeeded'", 40)
+    fault_stack.stop_redis()
+    # Submitted while Redis is down: accepted and durable.
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "during the outage"}], "max_tokens": 5}
+    during = fault_stack.client.post("/v2/jobs", json=body, headers=auth(fault_stack.key))
+    time.sleep(1.0)
+    fault_stack.start_redis()
+    restarted = time.monotonic()
+    done = fault_stack.wait_batch(batch, timeout=180)
+    assert done["status"] == "completed" and done["request_counts"]["completed"] == 200
+    fault_stack.inv(batch, 200)
+    assert during.status_code == 202
+    deadline = time.monotonic() + 60
+    while (
+        fault_stack.client.get(
+            f"/v2/jobs/{during.get_json()['id']}", headers=auth(fault_stack.key)
+        ).get_json()["status"]
+        != "succeeded"
+    ):
+        assert time.monotonic() < deadline
+        time.sleep(0.3)
+    # The worker consumes again (its registry entry proves a broker round trip) within 30 s.
+    r = redis.Redis.from_url(fault_stack.redis.url)
+    while not any(w.get("name", "").startswith(f"llmq-{worker.proc.pid}@") for w in live_workers(r)):  # type: ignore[union-attr]
+        assert time.monotonic() - restarted < 30
+        time.sleep(0.5)
+
+
+def test_r6_redis_down_at_submit_is_durable_and_runs_once(fault_stack: FaultStack) -> None:
+    fault_stack.stop_redis()
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 5}
+    r = fault_stack.client.post("/v2/jobs", json=body, headers=auth(fault_stack.key))
+    assert r.status_code == 202
+    job_id = r.get_json()["id"]
+    fault_stack.start_redis()
+    fault_stack.worker("r6")
+    deadline = time.monotonic() + 60
+    while (job := fault_stack.client.get(f"/v2/jobs/{job_id}", headers=auth(fault_stack.key)).get_json())[
+        "status"
+    ] != "succeeded":
+        assert time.monotonic() < deadline, job
+        time.sleep(0.3)
+    assert job["attempts"] == 1
+
+
+def test_r7_postgres_restart_while_results_are_written(fault_stack: FaultStack) -> None:
+    worker = fault_stack.worker("r7")
+    batch = fault_stack.batch(200, max_tokens=50)
+    fault_stack.wait_rows(batch, "status = 'succeeded'", 40)
+    fault_stack.stop_pg()
+    time.sleep(3.0)
+    fault_stack.start_pg()
+    done = fault_stack.wait_batch(batch, timeout=180)
+    assert done["status"] == "completed" and done["request_counts"]["completed"] == 200
+    fault_stack.inv(batch, 200)
+    assert "retrying the write" in log_text(worker) or "database" in log_text(worker)
+
+
+def test_r8_sigterm_mid_batch_redoes_at_most_the_window(fault_stack: FaultStack) -> None:
+    first = fault_stack.worker("r8-a")
+    batch = fault_stack.batch(300, max_tokens=100)
+    fault_stack.wait_rows(batch, "status = 'succeeded'", 100)
+    first.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+    first.proc.wait(60)  # type: ignore[union-attr]
+    assert first.proc.returncode == 0  # type: ignore[union-attr]
+    fault_stack.worker("r8-b")
+    done = fault_stack.wait_batch(batch, timeout=180)
+    assert done["status"] == "completed"
+    redone = fault_stack.rows(batch, "attempts > 1")
+    assert len(redone) <= 64  # the dispatch window
+    fault_stack.inv(batch, 300)
+
+
+def test_r10_a_job_that_kills_its_worker_ends_failed(fault_stack: FaultStack) -> None:
+    special = {7: f"please {CRASH_MARKER}"}
+    batch = fault_stack.batch(40, max_tokens=10, special=special)
+    deadline = time.monotonic() + 240
+    while fault_stack.get_batch(batch)["status"] not in ("completed", "failed"):
+        assert time.monotonic() < deadline
+        alive = [w for w in fault_stack.workers if w.proc is not None and w.proc.poll() is None]
+        if not alive:
+            # What a supervisor does; the poison line may kill it before it is ready.
+            with contextlib.suppress(RuntimeError):
+                fault_stack.worker(f"r10-{len(fault_stack.workers)}")
+        time.sleep(0.5)
+    done = fault_stack.get_batch(batch)
+    assert done["request_counts"]["failed"] >= 1 and done["request_counts"]["completed"] >= 39 - 16
+    poison = fault_stack.rows(batch, "custom_id = 'line-7'")
+    (row,) = poison.values()
+    assert row["status"] == "failed" and row["attempts"] == 3
+    _, errors = fault_stack.inv(batch, 40)
+    failed = {e["custom_id"]: e for e in errors}
+    assert failed["line-7"]["response"]["body"]["error"]["code"] == "attempts_exhausted"
+
+
+def test_r2_engine_process_dies_worker_restarts(fault_stack: FaultStack, tiny_model: Path) -> None:
+    """The engine, not the worker, dies: the worker says so, stops consuming and exits (a
+    supervisor restarts it); its lines are handed back and finish elsewhere."""
+    env = stack_env(
+        fault_stack.stores,
+        tiny_model,
+        MODEL,
+        LLMQ_LEASE_SECONDS="3",
+        LLMQ_SWEEPER_INTERVAL_SECONDS="0.5",
+        LLMQ_BATCH_TICK_SECONDS="0.1",
+        LLMQ_BATCH_DISPATCH_WINDOW="64",
+        LLMQ_BATCH_CHUNK_SIZE="16",
+    )
+    first = WorkerProcess(env, fault_stack.logs / "r2-a.log").start()
+    fault_stack.workers.append(first)
+    batch = fault_stack.batch(200, max_tokens=64)
+    fault_stack.wait_rows(batch, "status = 'succeeded'", 30, timeout=120)
+    engine = [
+        p
+        for p in psutil.Process(first.proc.pid).children(recursive=True)
+        if "EngineCore" in " ".join(p.cmdline())
+    ]  # type: ignore[union-attr]
+    assert engine
+    engine[0].kill()
+    first.proc.wait(120)  # type: ignore[union-attr]
+    assert "engine is dead" in log_text(first) or "engine died" in log_text(first)
+    r = redis.Redis.from_url(fault_stack.redis.url)
+    assert not any(w.get("name", "").startswith(f"llmq-{first.proc.pid}@") for w in live_workers(r))  # type: ignore[union-attr]
+    second = WorkerProcess(env, fault_stack.logs / "r2-b.log").start()
+    fault_stack.workers.append(second)
+    done = fault_stack.wait_batch(batch, timeout=300)
+    assert done["status"] == "completed" and done["request_counts"]["completed"] == 200
+    fault_stack.inv(batch, 200)
