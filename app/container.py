@@ -22,6 +22,7 @@ from app.services.idempotency import IdempotencyLocks
 from app.services.jobs import JobService
 from app.services.keys import KeyService
 from app.services.limits import RateLimiter
+from app.services.metrics import MetricsService
 from app.services.streaming import Notifier, StreamService
 from app.settings import Settings
 
@@ -40,6 +41,7 @@ class Services:
     files: FileService
     batches: BatchService
     health: HealthService
+    metrics: MetricsService
     limiter: RateLimiter
 
     @property
@@ -111,6 +113,7 @@ def build_services(settings: Settings, *, db_pool_size: int = 10) -> Services:
             db, events, locks=locks, idempotency_ttl_seconds=settings.idempotency_ttl_seconds
         ),
         health=HealthService(db, redis, served),
+        metrics=MetricsService(db, redis, served),
         limiter=RateLimiter(
             redis, per_minute=settings.rate_limit_per_minute, burst=settings.rate_limit_burst
         ),

@@ -28,7 +28,7 @@ END_EVENT = "end"
 EXTERNAL_END_SEQ = 2**62
 STREAM_EXPIRE_SECONDS = 3600
 
-_EVENT_ID = re.compile(r"^(\d{1,18})-(\d{1,19})$")
+_EVENT_ID = re.compile(r"^([0-9]{1,18})-([0-9]{1,19})$")
 
 
 def job_channel(job_id: str) -> str:

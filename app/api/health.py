@@ -1,4 +1,4 @@
-"""Liveness and readiness; no auth, so orchestrators can probe."""
+"""Liveness, readiness and Prometheus metrics; no auth, so orchestrators can probe."""
 
 from __future__ import annotations
 
@@ -20,3 +20,8 @@ def readyz() -> Response:
     response = jsonify({"status": "ready" if result.ready else "not_ready", "checks": result.checks})
     response.status_code = 200 if result.ready else 503
     return response
+
+
+@bp.get("/metrics")
+def metrics() -> Response:
+    return Response(services().metrics.render(), mimetype="text/plain; version=0.0.4; charset=utf-8")

@@ -9,16 +9,30 @@ from flask import Blueprint, Response, jsonify
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from app.models import JobStatus
+from app.schemas.batches import BatchCreate, BatchList, BatchObject, FileDeleted, FileList, FileObject
 from app.schemas.chat import ChatCompletionV2Request
 from app.schemas.completion import BenchChatCompletion, ChatCompletion, RecordedStream
 from app.schemas.jobs import ErrorResponse, JobList, JobObject, ModelList
+from app.services.jobs import MAX_PAGE
 
 bp = Blueprint("openapi", __name__)
 
 _REF = "#/components/schemas/{model}"
 
 # (method, path, summary, request model, {status: response model}, path params, query params)
-Route = tuple[str, str, str, type[BaseModel] | None, dict[int, type[BaseModel] | None], list[str], list[str]]
+Query = tuple[str, dict[str, Any]]
+Route = tuple[
+    str, str, str, type[BaseModel] | None, dict[int, type[BaseModel] | None], list[str], list[Query]
+]
+
+# No U+0000: ids, cursors and filters are Postgres text (a NUL is a 400).
+_TEXT: dict[str, Any] = {"type": "string", "pattern": "^[^\\u0000]*$"}
+
+
+def _limit(most: int) -> Query:
+    return ("limit", {"type": "integer", "minimum": 1, "maximum": most})
+
 
 ROUTES: list[Route] = [
     ("post", "/v2/jobs", "Queue one chat completion job", ChatCompletionV2Request, {202: JobObject}, [], []),
@@ -29,7 +43,12 @@ ROUTES: list[Route] = [
         None,
         {200: JobList},
         [],
-        ["status", "batch_id", "after", "limit"],
+        [
+            ("status", {"type": "string", "enum": [s.value for s in JobStatus]}),
+            ("batch_id", _TEXT),
+            ("after", _TEXT),
+            _limit(MAX_PAGE),
+        ],
     ),
     ("get", "/v2/jobs/{job_id}", "Read one job", None, {200: JobObject}, ["job_id"], []),
     ("post", "/v2/jobs/{job_id}/cancel", "Cancel a job", None, {200: JobObject}, ["job_id"], []),
@@ -40,7 +59,7 @@ ROUTES: list[Route] = [
         None,
         {200: None},
         ["job_id"],
-        ["include_usage"],
+        [("include_usage", {"type": "boolean"})],
     ),
     (
         "get",
@@ -79,7 +98,61 @@ ROUTES: list[Route] = [
         [],
     ),
     ("get", "/v1/models", "Served models", None, {200: ModelList}, [], []),
+    (
+        "post",
+        "/v1/files",
+        "Upload a JSONL batch input (multipart: file, purpose=batch)",
+        None,
+        {200: FileObject},
+        [],
+        [],
+    ),
+    (
+        "get",
+        "/v1/files",
+        "List files, newest first",
+        None,
+        {200: FileList},
+        [],
+        [("purpose", _TEXT), ("after", _TEXT), _limit(10_000)],
+    ),
+    ("get", "/v1/files/{file_id}", "Read one file's metadata", None, {200: FileObject}, ["file_id"], []),
+    ("get", "/v1/files/{file_id}/content", "A file's bytes", None, {200: None}, ["file_id"], []),
+    ("delete", "/v1/files/{file_id}", "Delete a file", None, {200: FileDeleted}, ["file_id"], []),
+    ("post", "/v1/batches", "Create a batch from an uploaded file", BatchCreate, {200: BatchObject}, [], []),
+    (
+        "get",
+        "/v1/batches",
+        "List batches, newest first",
+        None,
+        {200: BatchList},
+        [],
+        [("after", _TEXT), _limit(100)],
+    ),
+    ("get", "/v1/batches/{batch_id}", "Read one batch", None, {200: BatchObject}, ["batch_id"], []),
+    ("post", "/v1/batches/{batch_id}/cancel", "Cancel a batch", None, {200: BatchObject}, ["batch_id"], []),
+    (
+        "post",
+        "/v1/batches/{batch_id}/retry",
+        "A child batch of the failed and expired lines",
+        None,
+        {200: BatchObject},
+        ["batch_id"],
+        [],
+    ),
 ]
+
+# Routes whose body is a multipart form, not JSON.
+_MULTIPART = {
+    ("post", "/v1/files"): {
+        "type": "object",
+        "required": ["file", "purpose"],
+        "properties": {
+            "file": {"type": "string", "format": "binary"},
+            "purpose": {"type": "string", "enum": ["batch"]},
+        },
+    }
+}
 
 _ERRORS = {
     400: "Invalid request",
@@ -87,6 +160,8 @@ _ERRORS = {
     404: "Not found",
     409: "Conflict",
     413: "Too large",
+    422: "Idempotency key reused with another body",
+    429: "Rate limited",
 }
 _EXTRA_MODELS: list[type[BaseModel]] = [ChatCompletion, BenchChatCompletion]
 
@@ -108,12 +183,13 @@ def _operation(route: Route) -> dict[str, Any]:
         "summary": summary,
         "operationId": f"{method}_{route[1].strip('/').replace('/', '_').replace('{', '').replace('}', '')}",
         "security": [{"bearer": []}],
-        "parameters": [
-            {"name": p, "in": "path", "required": True, "schema": {"type": "string"}} for p in path_params
-        ]
-        + [{"name": q, "in": "query", "required": False, "schema": {"type": "string"}} for q in query_params],
+        "parameters": [{"name": p, "in": "path", "required": True, "schema": _TEXT} for p in path_params]
+        + [{"name": q, "in": "query", "required": False, "schema": schema} for q, schema in query_params],
         "responses": {},
     }
+    form = _MULTIPART.get((method, route[1]))
+    if form is not None:
+        op["requestBody"] = {"required": True, "content": {"multipart/form-data": {"schema": form}}}
     if req is not None:
         op["requestBody"] = {
             "required": True,

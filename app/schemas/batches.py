@@ -62,8 +62,8 @@ class BatchErrors(WireModel):
 
 
 class BatchCreate(WireModel):
-    input_file_id: str
-    endpoint: str
+    input_file_id: str = Field(min_length=1, max_length=128, pattern=r"^[^\x00]+$")
+    endpoint: str = Field(json_schema_extra={"enum": list(BATCH_ENDPOINTS)})
     completion_window: str = Field(pattern=r"^[1-9][0-9]{0,3}[mh]$")
     metadata: dict[str, str] | None = None
 
@@ -102,7 +102,7 @@ class BatchProgress(WireModel):
 class BatchObject(WireModel):
     id: str
     object: Literal["batch"] = "batch"
-    endpoint: str
+    endpoint: str = Field(json_schema_extra={"enum": list(BATCH_ENDPOINTS)})
     errors: BatchErrors | None = None
     input_file_id: str
     completion_window: str

@@ -16,9 +16,11 @@ class ErrorBody(WireModel):
 
 
 class ErrorResponse(WireModel):
-    """The one error shape, everywhere."""
+    """The one error shape, everywhere. A refused upload adds OpenAI's `errors` list:
+    `{"object": "list", "data": [{code, message, param, line}]}`."""
 
     error: ErrorBody
+    errors: dict[str, Any] | None = None
 
 
 class JobObject(WireModel):

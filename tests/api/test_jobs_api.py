@@ -225,3 +225,31 @@ def test_nul_characters_are_stored_exactly(client: FlaskClient, tenant_keys) -> 
     r = client.post("/v2/jobs", json=payload, headers=auth(tenant_keys["a"]))
     assert r.status_code == 202, r.get_data(as_text=True)
     assert r.get_json()["metadata"] == {"k": "\u0000"}
+
+
+def test_metrics_count_active_work_without_auth(client: FlaskClient, tenant_keys) -> None:
+    def sample(text: str, prefix: str) -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix))
+
+    prefix = 'llmq_jobs_active{kind="single",model="api-only",status="queued"}'
+    before = sample(client.get("/metrics").get_data(as_text=True), prefix)
+    assert client.post("/v2/jobs", json=body(), headers=auth(tenant_keys["a"])).status_code == 202
+    r = client.get("/metrics")
+    assert r.status_code == 200 and r.mimetype == "text/plain"
+    text = r.get_data(as_text=True)
+    assert sample(text, prefix) == before + 1
+    assert "llmq_database_up 1" in text and "llmq_redis_up 1" in text
+    assert sample(text, 'llmq_queue_depth{model="api-only"}') >= 1
+    for line in text.splitlines():  # the exposition format: comments or `name{labels} value`
+        assert line.startswith("# ") or float(line.rsplit(" ", 1)[1]) >= 0
+
+
+def test_openapi_lists_every_route(app, client: FlaskClient) -> None:  # type: ignore[no-untyped-def]
+    spec = client.get("/openapi.json").get_json()["paths"]
+    public = {"/healthz", "/readyz", "/openapi.json", "/metrics"}
+    for rule in app.url_map.iter_rules():
+        if rule.endpoint == "static" or rule.rule in public:
+            continue
+        path = rule.rule.replace("<", "{").replace(">", "}")
+        for method in (rule.methods or set()) - {"HEAD", "OPTIONS"}:
+            assert method.lower() in spec.get(path, {}), (method, path)

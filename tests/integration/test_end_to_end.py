@@ -187,3 +187,25 @@ def test_readyz_sees_the_consuming_worker(stack: Stack) -> None:
         ready = c.get("/readyz")
     assert ready.status_code == 200
     assert ready.json()["checks"]["workers"]["consuming"] >= 1
+
+
+def test_logs_hold_no_key_and_no_prompt(stack: Stack) -> None:
+    """Whatever passes through API and worker at INFO, the prompt text and the key do not
+    reach their logs (a wrong key that looks real included)."""
+    secret = f"prompt-secret-{time.time_ns()}"
+    job = run(stack, messages=[{"role": "user", "content": secret}], max_tokens=4)
+    assert job["status"] == "succeeded"
+    lookalike = stack.key[:-6] + "abcdef"
+    with stack.client() as c:
+        c.headers["Authorization"] = f"Bearer {lookalike}"
+        assert c.get("/v2/jobs").status_code == 401
+        c.headers["Authorization"] = f"Bearer {secret}"
+        assert (
+            c.post("/v2/jobs", json=body(stack, messages=[{"role": "user", "content": secret}])).status_code
+            == 401
+        )
+    time.sleep(0.5)
+    logs = "".join(p.read_text(errors="replace") for p in stack.worker.log_path.parent.glob("*.log"))
+    assert job["id"] in logs  # the job itself was logged, at INFO
+    for needle in (secret, stack.key, lookalike, stack.key[12:]):
+        assert needle not in logs, needle
