@@ -218,3 +218,69 @@ def test_other_tenants_files_and_batches_are_404(client: FlaskClient, tenant, se
     r = create(client, other, f["id"])
     assert r.status_code == 404
     assert b["id"] not in [x["id"] for x in client.get("/v1/batches", headers=auth(other)).get_json()["data"]]
+
+
+class LazyUpload(io.RawIOBase):
+    """A multipart body of `size` bytes of JSONL, made as it is read (never held whole)."""
+
+    BOUNDARY = "llmq-lazy-boundary"
+
+    def __init__(self, size: int) -> None:
+        head = (
+            f'--{self.BOUNDARY}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+            f'--{self.BOUNDARY}\r\nContent-Disposition: form-data; name="file"; filename="big.jsonl"\r\n'
+            "Content-Type: application/jsonl\r\n\r\n"
+        ).encode()
+        self._tail = f"\r\n--{self.BOUNDARY}--\r\n".encode()
+        self._line = json.dumps(line(0)).encode() + b"\n"
+        self.size = size
+        self._left = size - len(head) - len(self._tail)
+        self._pending = head
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True  # only far enough for the test client to learn the size
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self._pos = self.size if whence == 2 else offset
+        return self._pos
+
+    def readinto(self, buffer) -> int:  # type: ignore[no-untyped-def, override]
+        if not self._pending:
+            if self._left > 0:
+                n = min(self._left, 1 << 16)
+                self._pending = (self._line * (n // len(self._line) + 1))[:n]
+                self._left -= n
+            elif self._tail:
+                self._pending, self._tail = self._tail, b""
+        n = min(len(buffer), len(self._pending))
+        buffer[:n] = self._pending[:n]
+        self._pending = self._pending[n:]
+        self._pos += n
+        return n
+
+
+def test_an_oversized_upload_is_413_with_flat_memory(client: FlaskClient, tenant, services, settings) -> None:
+    import psutil
+
+    name, key = tenant
+    body = LazyUpload(settings.max_upload_bytes + 50 * 2**20)
+    before = psutil.Process().memory_info().rss
+    r = client.post(
+        "/v1/files",
+        input_stream=body,
+        content_length=body.size,
+        content_type=f"multipart/form-data; boundary={LazyUpload.BOUNDARY}",
+        headers=auth(key),
+    )
+    grown = psutil.Process().memory_info().rss - before
+    assert r.status_code == 413, r.get_data(as_text=True)[:300]
+    assert r.get_json()["error"]["type"]
+    assert grown < 50 * 2**20, grown
+    assert file_count(services, name) == 0

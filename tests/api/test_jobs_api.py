@@ -93,6 +93,8 @@ def test_other_tenants_ids_are_404(client: FlaskClient, tenant_keys) -> None:
         ({"messages": [{"role": "user", "content": "x"}]}, "model"),
         (body(n=0), "n"),
         (body(n=1000), "n"),
+        (body(n=10**9), "n"),
+        (body(messages=[{"role": "user", "content": "x"}] * 100_000), "messages"),
         (body(max_tokens=10**9), "max_tokens"),
         (body(top_logprobs=21), "top_logprobs"),
         (body(use_beam_search=True), "use_beam_search"),
