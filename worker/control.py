@@ -61,7 +61,13 @@ class LeaseKeeper(_Periodic):
         if not inflight:
             return
         owned = self._store.extend_leases(self._owner, self._lease)
+        # A job that ended meanwhile is no longer running, so not extended: not a loss. The
+        # runner drops a job from its in-flight set before saving it, so one still there
+        # now had not been saved when the leases were extended.
+        still = {item.job_id for item in self._runner.inflight()}
         for item in inflight:
+            if item.job_id not in still:
+                continue
             held = owned.get(item.job_id)
             if held is None or held[0] != item.epoch:
                 log.warning("lease lost; aborting", extra={"job_id": item.job_id, "epoch": item.epoch})
