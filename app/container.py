@@ -113,7 +113,7 @@ def build_services(settings: Settings, *, db_pool_size: int = 10) -> Services:
             db, events, locks=locks, idempotency_ttl_seconds=settings.idempotency_ttl_seconds
         ),
         health=HealthService(db, redis, served),
-        metrics=MetricsService(db, redis, served),
+        metrics=MetricsService(db, redis, queue, served),
         limiter=RateLimiter(
             redis, per_minute=settings.rate_limit_per_minute, burst=settings.rate_limit_burst
         ),

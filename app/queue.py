@@ -5,7 +5,10 @@ only names a job id; the job itself lives in Postgres. After a message is sent, 
 key says so; the sweeper re-sends a queued job whose marker is gone (Redis restarted, or
 the API died between commit and send). A message that a worker took but never claimed
 (the worker died first) sits in the broker's unacknowledged set until the visibility
-timeout, hours away: the sweeper finds such deliveries, drops them and sends again.
+timeout, hours away: the sweeper finds such deliveries, drops them and sends again. A
+worker that dies between taking a message off the queue and recording the delivery loses it
+outright, marker or not: a queued job that no delivery names while its queue is empty is
+sent again too.
 """
 
 from __future__ import annotations
@@ -109,6 +112,21 @@ class JobQueue:
         """Drop the markers once the jobs are claimed or finished."""
         if job_ids:
             self._redis.delete(*(SENT_MARKER.format(job_id=j) for j in job_ids))
+
+    def depth(self, model: str) -> int:
+        """Messages waiting in the model's queue, all priorities."""
+        name = queue_name(model)
+        pipe = self._redis.pipeline(transaction=False)
+        for step in PRIORITY_STEPS:
+            pipe.llen(name if step == 0 else f"{name}:{step}")
+        return sum(pipe.execute())
+
+    def delivered_job_ids(self) -> set[str]:
+        """Every job id that an unacknowledged delivery names."""
+        ids: set[str] = set()
+        for ids_of_one in self.stale_deliveries(-60.0, limit=100_000).values():
+            ids.update(ids_of_one)
+        return ids
 
     def stale_deliveries(self, older_than_seconds: float, limit: int = 1000) -> dict[str, list[str]]:
         """Messages a worker took over `older_than_seconds` ago and has not acknowledged:

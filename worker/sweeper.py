@@ -16,7 +16,7 @@ from app.events import JobEvents, end_event
 from app.models import JobStatus
 from app.queue import JobQueue
 from worker.leader import LeaseLock
-from worker.store import JobStore
+from worker.store import Expired, JobStore
 
 log = logging.getLogger("llmq.sweeper")
 
@@ -74,6 +74,7 @@ class Sweeper:
             stale = self._store.stale_queued(self._grace)
             to_check = [job.job_id for job, never_sent in stale if not never_sent]
             missing = set(self._queue.missing_markers(to_check))
+            missing |= self._vanished([job for job, never_sent in stale if not never_sent], missing)
             lost_lines = []
             for job, never_sent in stale:
                 if job.batch_id is not None and job.job_id in missing:
@@ -103,6 +104,23 @@ class Sweeper:
         self._queue.forget(*queued)
         log.warning("messages taken but never claimed; sending again", extra={"jobs": len(queued)})
         return len(queued)
+
+    def _vanished(self, candidates: list[Expired], missing: set[str]) -> set[str]:
+        """Jobs whose marker says "sent" but whose message is nowhere: their queue is empty
+        and no delivery names them (a worker took the message and died before recording
+        the delivery). A message taken this very moment may be counted too; the fence makes
+        the second copy harmless."""
+        rest = [job for job in candidates if job.job_id not in missing]
+        idle = {model for model in {job.model for job in rest} if self._queue.depth(model) == 0}
+        rest = [job for job in rest if job.model in idle]
+        if not rest:
+            return set()
+        held = self._queue.delivered_job_ids()
+        gone = {job.job_id for job in rest if job.job_id not in held}
+        if gone:
+            self._queue.forget(*gone)
+            log.warning("messages lost in a worker's crash; sending again", extra={"jobs": len(gone)})
+        return gone
 
     def _loop(self) -> None:
         while not self._stop.wait(self._interval):

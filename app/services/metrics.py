@@ -13,7 +13,7 @@ from redis import Redis
 from sqlalchemy import text
 
 from app.db import Database
-from app.queue import PRIORITY_STEPS, UNACKED, queue_name
+from app.queue import UNACKED, JobQueue
 from app.services.health import live_workers
 
 _ACTIVE_JOBS = text(
@@ -48,9 +48,12 @@ def _escape(value: str) -> str:
 
 
 class MetricsService:
-    def __init__(self, db: Database, redis: Redis[bytes], served_models: frozenset[str]) -> None:
+    def __init__(
+        self, db: Database, redis: Redis[bytes], queue: JobQueue, served_models: frozenset[str]
+    ) -> None:
         self._db = db
         self._redis = redis
+        self._queue = queue
         self._served = served_models
 
     def render(self) -> str:
@@ -84,11 +87,7 @@ class MetricsService:
         capacity = Family("llmq_worker_capacity", "Jobs a worker runs at once at most.")
         try:
             for model in sorted(self._served):
-                name = queue_name(model)
-                pipe = self._redis.pipeline(transaction=False)
-                for step in PRIORITY_STEPS:
-                    pipe.llen(name if step == 0 else f"{name}:{step}")
-                depth.add(sum(pipe.execute()), model=model)
+                depth.add(self._queue.depth(model), model=model)
             unacked.add(self._redis.hlen(UNACKED))
             per_model: dict[str, int] = dict.fromkeys(self._served, 0)
             for w in live_workers(self._redis):

@@ -16,21 +16,29 @@ from worker.store import JobStore
 from worker.sweeper import Sweeper
 
 
+def waiting(services) -> list[tuple[bytes, bytes, list]]:  # type: ignore[no-untyped-def]
+    """(list key, raw message, job ids) of every message waiting in the api-only queue."""
+    r = services.redis
+    found = []
+    for key in r.scan_iter(f"{queue_name('api-only')}*"):
+        if r.type(key) == b"list":
+            for raw in r.lrange(key, 0, -1):
+                found.append((key, raw, json.loads(base64.b64decode(json.loads(raw)["body"]))[0]))
+    return found
+
+
 def take_message(services, job_id: str) -> str:  # type: ignore[no-untyped-def]
     """What a worker that dies at once does to `job_id`'s message: takes it off the queue
     into the broker's unacknowledged set (kombu's layout) and never acknowledges it."""
     r = services.redis
-    for key in r.scan_iter(f"{queue_name('api-only')}*"):
-        if r.type(key) != b"list":
-            continue
-        for raw in r.lrange(key, 0, -1):
+    for key, raw, args in waiting(services):
+        if args == [job_id]:
             message = json.loads(raw)
-            if json.loads(base64.b64decode(message["body"]))[0] == [job_id]:
-                tag = message["properties"]["delivery_tag"]
-                r.lrem(key, 1, raw)
-                r.hset(UNACKED, tag, json.dumps([message, "", queue_name("api-only")]))
-                r.zadd(UNACKED_INDEX, {tag: time.time()})
-                return str(tag)
+            tag = message["properties"]["delivery_tag"]
+            r.lrem(key, 1, raw)
+            r.hset(UNACKED, tag, json.dumps([message, "", queue_name("api-only")]))
+            r.zadd(UNACKED_INDEX, {tag: time.time()})
+            return str(tag)
     raise AssertionError(f"no message for {job_id}")
 
 
@@ -79,3 +87,31 @@ def test_a_running_jobs_message_is_left_alone(services) -> None:
 
     assert report.unclaimed == 0
     assert services.redis.hget(UNACKED, tag) is not None
+
+
+def test_a_message_lost_in_a_crash_before_its_delivery_was_recorded_is_sent_again(services) -> None:
+    """kombu pops a message, then records the delivery: a worker killed between the two
+    loses the message, while the job's marker still says it was sent."""
+    (job_id,) = queued(services, 1)
+    tag = take_message(services, job_id)
+    services.queue.drop_deliveries([tag])  # as if never recorded
+    for key in services.redis.scan_iter(f"{queue_name('api-only')}*"):  # and nothing else waits
+        if services.redis.type(key) == b"list":
+            services.redis.delete(key)
+    age(services, job_id, tag, 60)
+    assert services.queue.missing_markers([job_id]) == []  # the marker still says "sent"
+
+    report = sweeper(services).sweep_once()
+
+    assert report.resent >= 1
+    assert take_message(services, job_id) != tag
+
+
+def test_a_job_waiting_behind_a_backlog_is_not_sent_twice(services) -> None:
+    (job_id,) = queued(services, 1)
+    age(services, job_id, "none", 60)
+    assert services.queue.depth("api-only") >= 1
+
+    sweeper(services).sweep_once()
+
+    assert [args for _, _, args in waiting(services)].count([job_id]) == 1

@@ -144,6 +144,27 @@ class FaultStack:
             ).mappings()
             return {r["id"]: dict(r) for r in result}
 
+    def describe(self, batch_id: str) -> str:
+        """Where a stuck batch's lines are, for a failure message: rows by state, and the
+        broker's view (queue lengths, unacknowledged deliveries, markers)."""
+        with self.services.db.session() as s:
+            groups = s.execute(
+                text(
+                    "SELECT status, attempts, enqueued_at IS NULL AS unsent, count(*) FROM jobs "
+                    "WHERE batch_id = :b GROUP BY 1, 2, 3 ORDER BY 1, 2, 3"
+                ),
+                {"b": batch_id},
+            ).all()
+        r = self.services.redis
+        queues = {k.decode(): r.llen(k) for k in r.scan_iter("llmq.*") if r.type(k) == b"list"}
+        markers = sum(1 for _ in r.scan_iter("llmq:sent:*"))
+        leaders = {k.decode(): r.get(k) for k in r.scan_iter("llmq:leader:*")}
+        return (
+            f"rows (status, attempts, unsent, n): {[tuple(g) for g in groups]}; queues {queues}; "
+            f"unacked {r.hlen('unacked')}; markers {markers}; leaders {leaders}; "
+            f"logs {[w.log_path.name for w in self.workers]}"
+        )
+
     def wait_rows(self, batch_id: str, where: str, count: int, timeout: float = 60) -> None:
         deadline = time.monotonic() + timeout
         while len(self.rows(batch_id, where)) < count:

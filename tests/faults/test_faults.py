@@ -158,7 +158,7 @@ def test_r10_a_job_that_kills_its_worker_ends_failed(fault_stack: FaultStack) ->
     batch = fault_stack.batch(40, max_tokens=10, special=special)
     deadline = time.monotonic() + 240
     while fault_stack.get_batch(batch)["status"] not in ("completed", "failed"):
-        assert time.monotonic() < deadline
+        assert time.monotonic() < deadline, fault_stack.describe(batch)
         alive = [w for w in fault_stack.workers if w.proc is not None and w.proc.poll() is None]
         if not alive:
             # What a supervisor does; the poison line may kill it before it is ready.
