@@ -59,9 +59,11 @@ class Sweeper:
         with self._lock.hold() as mine:
             if not mine:
                 return report
+            requeued = set()
             for job in self._store.expire_leases(self._max_attempts):
                 if job.status == JobStatus.QUEUED.value:
                     report.requeued += 1
+                    requeued.add(job.job_id)
                     continue
                 if job.status == JobStatus.FAILED.value:
                     report.failed += 1
@@ -70,7 +72,7 @@ class Sweeper:
                 error = (job.error or {}).get("error")
                 self._events.append_end(job.job_id, end_event(job.epoch, job.status, error))
                 log.warning("lease expired; job ended", extra={"job_id": job.job_id, "status": job.status})
-            report.unclaimed = self._reclaim_unclaimed()
+            report.unclaimed = self._reclaim_unclaimed(requeued)
             stale = self._store.stale_queued(self._grace)
             to_check = [job.job_id for job, never_sent in stale if not never_sent]
             missing = set(self._queue.missing_markers(to_check))
@@ -89,10 +91,11 @@ class Sweeper:
             log.info("sweep", extra=vars(report))
         return report
 
-    def _reclaim_unclaimed(self) -> int:
+    def _reclaim_unclaimed(self, requeued: set[str]) -> int:
         """Deliveries older than the grace whose jobs are still queued: the worker that
         took them died (or hung) before claiming. Their markers go, so they are sent again
-        below; a late claim by a hung worker loses to the fence."""
+        below; a late claim by a hung worker loses to the fence. Deliveries of jobs just
+        re-queued for an expired lease go too (their job is sent again anyway), uncounted."""
         deliveries = self._queue.stale_deliveries(self._grace)
         if not deliveries:
             return 0
@@ -102,8 +105,10 @@ class Sweeper:
             return 0
         self._queue.drop_deliveries(tags)
         self._queue.forget(*queued)
-        log.warning("messages taken but never claimed; sending again", extra={"jobs": len(queued)})
-        return len(queued)
+        unclaimed = len(queued - requeued)
+        if unclaimed:
+            log.warning("messages taken but never claimed; sending again", extra={"jobs": unclaimed})
+        return unclaimed
 
     def _vanished(self, candidates: list[Expired], missing: set[str]) -> set[str]:
         """Jobs whose marker says "sent" but whose message is nowhere: their queue is empty
