@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from app.errors import InvalidRequest
 from app.models import JobKind
 from app.schemas.chat import AssistantMessage, ChatCompletionV2Request
+from app.services.contract import completion_budget
 from app.services.prompts import message_text
 from app.services.structured import constraint
 from app.services.tools import ToolPlan, plan_tools
@@ -105,24 +105,7 @@ def translate(
     plan = plan_tools(req, auto_parser=tool_parser)
     structured = constraint(req, plan)
     prompt = renderer.render(req, plan)
-    room = max_model_len - len(prompt)
-    if room < 1:
-        raise InvalidRequest(
-            f"This model's maximum context length is {max_model_len} tokens; the messages "
-            f"take {len(prompt)} tokens, leaving no room for the completion",
-            param="messages",
-            code="context_length_exceeded",
-        )
-    asked = req.completion_limit()
-    if asked is not None and asked > room:
-        field = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
-        raise InvalidRequest(
-            f"This model's maximum context length is {max_model_len} tokens; the messages "
-            f"take {len(prompt)} and `{field}` asks for {asked} more",
-            param=field,
-            code="context_length_exceeded",
-        )
-    max_tokens = asked if asked is not None else room
+    max_tokens = completion_budget(req, len(prompt), max_model_len)
     spec = GenerationSpec(
         request_id=request_id,
         prompt_token_ids=prompt,

@@ -261,24 +261,31 @@ class RequestPolicy:
     def _check_prompt_length(self, req: ChatCompletionV2Request) -> None:
         if self._count_prompt is None or self._max_model_len is None or req.chat_template is not None:
             return
-        tokens = self._count_prompt(req)
-        room = self._max_model_len - tokens
-        if room < 1:
-            raise InvalidRequest(
-                f"This model's maximum context length is {self._max_model_len} tokens; the messages take "
-                f"{tokens} tokens, leaving no room for the completion",
-                param="messages",
-                code="context_length_exceeded",
-            )
-        asked = req.completion_limit()
-        if asked is not None and asked > room:
-            field = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
-            raise InvalidRequest(
-                f"This model's maximum context length is {self._max_model_len} tokens; the messages take "
-                f"{tokens} and `{field}` asks for {asked} more",
-                param=field,
-                code="context_length_exceeded",
-            )
+        completion_budget(req, self._count_prompt(req), self._max_model_len)
+
+
+def completion_budget(req: ChatCompletionV2Request, prompt_tokens: int, max_model_len: int) -> int:
+    """The completion tokens a prompt of `prompt_tokens` leaves: what the request asked for,
+    else the rest of the context. The API checks with its own count, the worker with the
+    rendered prompt. Raises InvalidRequest (`context_length_exceeded`) when it does not fit."""
+    room = max_model_len - prompt_tokens
+    if room < 1:
+        raise InvalidRequest(
+            f"This model's maximum context length is {max_model_len} tokens; the messages take "
+            f"{prompt_tokens} tokens, leaving no room for the completion",
+            param="messages",
+            code="context_length_exceeded",
+        )
+    asked = req.completion_limit()
+    if asked is not None and asked > room:
+        field = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+        raise InvalidRequest(
+            f"This model's maximum context length is {max_model_len} tokens; the messages take "
+            f"{prompt_tokens} and `{field}` asks for {asked} more",
+            param=field,
+            code="context_length_exceeded",
+        )
+    return asked if asked is not None else room
 
 
 _BLOCKED_HOSTS = {"localhost", "localhost.localdomain", "ip6-localhost", "metadata.google.internal"}
