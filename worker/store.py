@@ -228,21 +228,18 @@ class JobStore:
 
     def undispatch(self, job_ids: list[str]) -> None:
         """Batch lines whose message was lost go back to the feeder."""
-        if not job_ids:
-            return
-        with self._db.session() as s:
-            s.execute(
-                update(Job)
-                .where(Job.id.in_(job_ids), Job.status == JobStatus.QUEUED.value)
-                .values(enqueued_at=None)
-            )
+        self._set_enqueued(job_ids, None)
 
     def mark_enqueued(self, job_ids: list[str]) -> None:
+        self._set_enqueued(job_ids, func.now())
+
+    def _set_enqueued(self, job_ids: list[str], value: Any) -> None:
+        """`enqueued_at` of those of `job_ids` still queued (null: the message is owed)."""
         if not job_ids:
             return
         with self._db.session() as s:
             s.execute(
                 update(Job)
                 .where(Job.id.in_(job_ids), Job.status == JobStatus.QUEUED.value)
-                .values(enqueued_at=func.now())
+                .values(enqueued_at=value)
             )

@@ -17,6 +17,7 @@ from app.errors import Conflict, InvalidRequest, NotFound
 from app.events import JobEvents, end_event
 from app.ids import new_id
 from app.models import Batch, BatchStatus, File, FilePurpose, Job, JobStatus
+from app.schemas.base import unix_time
 from app.schemas.batches import (
     BATCH_ENDPOINTS,
     BatchCreate,
@@ -66,10 +67,6 @@ BATCH_COUNTS = text(
     FROM jobs WHERE batch_id = :batch GROUP BY status
     """
 )
-
-
-def _ts(value: datetime | None) -> int | None:
-    return int(value.timestamp()) if value is not None else None
 
 
 def window_seconds(window: str) -> int:
@@ -399,15 +396,15 @@ def to_batch_object(batch: Batch, counts: Any, model: str | None) -> BatchObject
         status=batch.status,
         output_file_id=batch.output_file_id,
         error_file_id=batch.error_file_id,
-        created_at=_ts(batch.created_at) or 0,
-        in_progress_at=_ts(batch.in_progress_at),
-        expires_at=_ts(batch.expires_at),
-        finalizing_at=_ts(batch.finalizing_at),
-        completed_at=_ts(batch.completed_at),
-        failed_at=_ts(batch.failed_at),
-        expired_at=_ts(batch.expired_at),
-        cancelling_at=_ts(batch.cancelling_at),
-        cancelled_at=_ts(batch.cancelled_at),
+        created_at=unix_time(batch.created_at) or 0,
+        in_progress_at=unix_time(batch.in_progress_at),
+        expires_at=unix_time(batch.expires_at),
+        finalizing_at=unix_time(batch.finalizing_at),
+        completed_at=unix_time(batch.completed_at),
+        failed_at=unix_time(batch.failed_at),
+        expired_at=unix_time(batch.expired_at),
+        cancelling_at=unix_time(batch.cancelling_at),
+        cancelled_at=unix_time(batch.cancelled_at),
         request_counts=RequestCounts(
             total=batch.total, completed=progress.succeeded, failed=done - progress.succeeded
         ),

@@ -21,6 +21,7 @@ from app.db import Database
 from app.errors import Conflict, InvalidRequest, LlmqError, NotFound, PayloadTooLarge
 from app.ids import new_id
 from app.models import Batch, BatchStatus, File, FileLine, FilePurpose
+from app.schemas.base import unix_time
 from app.schemas.batches import (
     BATCH_ENDPOINTS,
     BatchInputLine,
@@ -55,13 +56,13 @@ class UploadRejected(InvalidRequest):
         return body
 
 
-def _ts(value: datetime | None) -> int | None:
-    return int(value.timestamp()) if value is not None else None
-
-
 def to_file_object(f: File) -> FileObject:
     return FileObject(
-        id=f.id, bytes=f.bytes, created_at=_ts(f.created_at) or 0, filename=f.filename, purpose=f.purpose
+        id=f.id,
+        bytes=f.bytes,
+        created_at=unix_time(f.created_at) or 0,
+        filename=f.filename,
+        purpose=f.purpose,
     )
 
 

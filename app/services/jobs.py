@@ -14,6 +14,7 @@ from app.events import JobEvents, end_event
 from app.ids import new_id
 from app.models import Job, JobKind, JobStatus
 from app.queue import JobQueue
+from app.schemas.base import unix_time
 from app.schemas.chat import ChatCompletionV2Request
 from app.schemas.jobs import JobList, JobObject
 from app.services.contract import RequestPolicy
@@ -46,10 +47,6 @@ def _by_column(row: dict[str, Any]) -> dict[str, Any]:
     return {("metadata" if k == "metadata_" else k): v for k, v in row.items()}
 
 
-def _ts(value: datetime | None) -> int | None:
-    return int(value.timestamp()) if value is not None else None
-
-
 def to_job_object(job: Job) -> JobObject:
     return JobObject(
         id=job.id,
@@ -60,13 +57,13 @@ def to_job_object(job: Job) -> JobObject:
         epoch=job.epoch,
         lease_owner=job.lease_owner,
         finished_by=job.finished_by,
-        created_at=_ts(job.created_at) or 0,
-        started_at=_ts(job.started_at),
-        succeeded_at=_ts(job.succeeded_at),
-        failed_at=_ts(job.failed_at),
-        cancelled_at=_ts(job.cancelled_at),
-        expired_at=_ts(job.expired_at),
-        cancel_requested_at=_ts(job.cancel_requested_at),
+        created_at=unix_time(job.created_at) or 0,
+        started_at=unix_time(job.started_at),
+        succeeded_at=unix_time(job.succeeded_at),
+        failed_at=unix_time(job.failed_at),
+        cancelled_at=unix_time(job.cancelled_at),
+        expired_at=unix_time(job.expired_at),
+        cancel_requested_at=unix_time(job.cancel_requested_at),
         batch_id=job.batch_id,
         custom_id=job.custom_id,
         response=job.response,
