@@ -123,16 +123,16 @@ class JobQueue:
 
     def delivered_job_ids(self) -> set[str]:
         """Every job id that an unacknowledged delivery names."""
-        ids: set[str] = set()
-        for ids_of_one in self.stale_deliveries(-60.0, limit=100_000).values():
-            ids.update(ids_of_one)
-        return ids
+        return {job_id for ids in self._deliveries("+inf", limit=100_000).values() for job_id in ids}
 
     def stale_deliveries(self, older_than_seconds: float, limit: int = 1000) -> dict[str, list[str]]:
         """Messages a worker took over `older_than_seconds` ago and has not acknowledged:
         {delivery tag: the job ids they name}. A running job's message is among them."""
-        cutoff = time.time() - older_than_seconds
-        tags = self._redis.zrangebyscore(UNACKED_INDEX, "-inf", cutoff, start=0, num=limit)
+        return self._deliveries(time.time() - older_than_seconds, limit=limit)
+
+    def _deliveries(self, before: float | str, *, limit: int) -> dict[str, list[str]]:
+        """Unacknowledged deliveries made before `before` (a time, or "+inf" for all)."""
+        tags = self._redis.zrangebyscore(UNACKED_INDEX, "-inf", before, start=0, num=limit)
         if not tags:
             return {}
         found = {}
