@@ -52,6 +52,17 @@ def _redis_reachable(url: str) -> bool:
         return False
 
 
+TIERS = ("unit", "api", "integration", "faults")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Each test is marked with its tier, the folder it lives in (`pytest -m unit`)."""
+    for item in items:
+        tier = Path(str(item.path)).relative_to(ROOT / "tests").parts[0]
+        if tier in TIERS:
+            item.add_marker(tier)
+
+
 @pytest.fixture(scope="session")
 def stores() -> Iterator[Stores]:
     from app.cli.embedded import free_port, pg_start, redis_start

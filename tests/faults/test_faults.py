@@ -20,7 +20,7 @@ from tests.faults.conftest import MODEL, FaultStack
 from tests.integration.conftest import WorkerProcess, stack_env
 from worker.engine import CRASH_MARKER
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.faults
 
 DONE = "status IN ('succeeded', 'failed', 'cancelled', 'expired')"
 

@@ -1,0 +1,184 @@
+"""What llmq's Redis-touching pieces promise, written once and run twice: against fakeredis
+in the `unit` tier (no server) and against the real Redis in the `api` tier, so a place
+where the two differ shows up as a test that passes in one tier and fails in the other.
+
+A module that collects these defines a fixture `r`: a client on an empty database.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any
+
+import pytest
+from redis import Redis
+
+from app.errors import Conflict, RateLimited
+from app.events import JobEvents, end_event, job_channel, job_stream
+from app.queue import SENT_MARKER, UNACKED, UNACKED_INDEX, JobQueue
+from app.services.idempotency import IdempotencyKey, IdempotencyLocks
+from app.services.limits import RateLimiter
+from worker.leader import LeaseLock
+
+
+class RecordingCelery:
+    """Stands in for the Celery producer: JobQueue's own Redis bookkeeping is under test."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, list[Any], str, int]] = []
+
+    def send_task(self, name: str, *, args: list[Any], queue: str, priority: int) -> None:
+        self.sent.append((name, args, queue, priority))
+
+
+def _unacked_message(task: str, args: list[Any]) -> bytes:
+    """A delivery as kombu's Redis transport stores it in `unacked` (see
+    tests/api/test_kombu_layout.py for the check against real kombu)."""
+    body = json.dumps([args, {}, {}])
+    return json.dumps(
+        [{"body": body, "headers": {"task": task}, "properties": {"body_encoding": "utf-8"}}, "", "q"]
+    ).encode()
+
+
+# --- rate limiter -----------------------------------------------------------------------
+
+
+def test_rate_limiter_allows_the_burst_then_refuses_with_a_wait(r: Redis[bytes]) -> None:
+    limiter = RateLimiter(r, per_minute=60, burst=3)
+    for _ in range(3):
+        limiter.check("key_a")
+    with pytest.raises(RateLimited) as caught:
+        limiter.check("key_a")
+    assert 0 < caught.value.retry_after <= 1.0
+    limiter.check("key_b")  # another key has its own bucket
+
+
+def test_rate_limiter_refills_over_time(r: Redis[bytes]) -> None:
+    limiter = RateLimiter(r, per_minute=6000, burst=1)  # 100 per second
+    limiter.check("key_a")
+    deadline = time.monotonic() + 2
+    while True:
+        try:
+            limiter.check("key_a")
+            break
+        except RateLimited:
+            assert time.monotonic() < deadline, "the bucket never refilled"
+            time.sleep(0.005)
+    assert r.ttl("llmq:rate:key_a") > 0  # idle buckets expire
+
+
+# --- lease lock -------------------------------------------------------------------------
+
+
+def test_lease_lock_has_one_holder_and_releases_only_its_own(r: Redis[bytes]) -> None:
+    first = LeaseLock(r, "sweeper", "w1", lease_seconds=5)
+    second = LeaseLock(r, "sweeper", "w2", lease_seconds=5)
+    with first.hold() as mine, second.hold() as theirs:
+        assert mine and not theirs
+    with second.hold() as theirs:
+        assert theirs
+        r.set("llmq:leader:sweeper", "w3")  # w2's lease ran out and w3 took over
+    assert r.get("llmq:leader:sweeper") == b"w3"  # w2's release left w3's lock alone
+
+
+def test_lease_lock_expires_by_itself(r: Redis[bytes]) -> None:
+    lock = LeaseLock(r, "feeder", "w1", lease_seconds=5)
+    with lock.hold() as mine:
+        assert mine
+        assert 0 < r.pttl("llmq:leader:feeder") <= 5000
+
+
+# --- idempotency locks --------------------------------------------------------------------
+
+
+def test_idempotency_lock_refuses_a_concurrent_duplicate(r: Redis[bytes]) -> None:
+    locks = IdempotencyLocks(r, lock_seconds=30)
+    key = IdempotencyKey.from_header("k1", "/v2/jobs", {"a": 1})
+    with locks.hold("tenant-a", key):
+        with pytest.raises(Conflict), locks.hold("tenant-a", key):
+            pass
+        with locks.hold("tenant-b", key):  # keys are per tenant
+            pass
+    with locks.hold("tenant-a", key):  # released when the first request ended
+        pass
+
+
+# --- job events -----------------------------------------------------------------------------
+
+
+def test_end_events_are_appended_once_and_notified(r: Redis[bytes]) -> None:
+    events = JobEvents(r)
+    pubsub = r.pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe(job_channel("job_1"))
+    pubsub.get_message(timeout=1)
+    end = end_event(1, "cancelled", None)
+    events.append_end("job_1", end)
+    events.append_end("job_1", end)  # the same id again is refused by the stream, silently
+    entries = r.xrange(job_stream("job_1"))
+    assert [json.loads(fields[b"e"])["status"] for _, fields in entries] == ["cancelled"]
+    assert r.ttl(job_stream("job_1")) > 0
+    message = None
+    deadline = time.monotonic() + 2
+    while message is None and time.monotonic() < deadline:
+        message = pubsub.get_message(timeout=0.1)
+    assert message is not None and message["data"].endswith(b" end")
+    pubsub.close()
+
+
+def test_wait_for_end_wakes_on_the_end_notification(r: Redis[bytes]) -> None:
+    events = JobEvents(r)
+    done = threading.Event()
+    result: list[bool] = []
+
+    def wait() -> None:
+        result.append(events.wait_for_end("job_2", lambda: False, timeout=5))
+        done.set()
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    # The waiter subscribes before it looks; publish until it has.
+    deadline = time.monotonic() + 5
+    while not done.is_set() and time.monotonic() < deadline:
+        events.append_end("job_2", end_event(1, "succeeded", None))
+        done.wait(0.05)
+    waiter.join(5)
+    assert result == [True]
+
+
+# --- queue markers and deliveries ----------------------------------------------------------------
+
+
+def test_markers_say_which_jobs_have_a_live_message(r: Redis[bytes]) -> None:
+    celery = RecordingCelery()
+    queue = JobQueue(celery, r, marker_ttl_seconds=60)  # type: ignore[arg-type]
+    queue.enqueue("job_a", "m", 0)
+    queue.enqueue_chunk(["job_b", "job_c"], "m", 0)
+    assert [name for name, *_ in celery.sent] == ["llmq.run_job", "llmq.run_jobs"]
+    assert queue.missing_markers(["job_a", "job_b", "job_c", "job_d"]) == ["job_d"]
+    assert 0 < r.ttl(SENT_MARKER.format(job_id="job_a")) <= 60
+    queue.forget("job_a", "job_b")
+    assert queue.missing_markers(["job_a", "job_b", "job_c"]) == ["job_a", "job_b"]
+
+
+def test_stale_deliveries_name_their_jobs_and_can_be_dropped(r: Redis[bytes]) -> None:
+    queue = JobQueue(RecordingCelery(), r, marker_ttl_seconds=60)  # type: ignore[arg-type]
+    now = time.time()
+    r.hset(UNACKED, "old", _unacked_message("llmq.run_jobs", [["job_x", "job_y"]]))
+    r.hset(UNACKED, "new", _unacked_message("llmq.run_job", ["job_z"]))
+    r.hset(UNACKED, "junk", b"not json")
+    r.zadd(UNACKED_INDEX, {"old": now - 120, "new": now, "junk": now - 120})
+    assert queue.stale_deliveries(60) == {"old": ["job_x", "job_y"]}
+    assert queue.delivered_job_ids() == {"job_x", "job_y", "job_z"}
+    queue.drop_deliveries(["old"])
+    assert queue.stale_deliveries(60) == {}
+    assert r.hexists(UNACKED, "new")
+
+
+def test_queue_depth_counts_every_priority_list(r: Redis[bytes]) -> None:
+    queue = JobQueue(RecordingCelery(), r, marker_ttl_seconds=60)  # type: ignore[arg-type]
+    r.rpush("llmq.m", b"1", b"2")
+    r.rpush("llmq.m:6", b"3")
+    r.rpush("llmq.other", b"4")
+    assert queue.depth("m") == 3
