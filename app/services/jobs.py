@@ -128,11 +128,6 @@ class JobService:
             RateLimited: the tenant has too many single jobs queued or running.
             InvalidRequest: `priority` is outside the tenant's band.
         """
-        # The stored request carries the priority it runs at, so the worker (and the engine)
-        # see the same value as the broker.
-        priority = principal.priority.resolve(request.priority)
-        if request.effective_priority() != priority:
-            request = request.model_copy(update={"priority": priority})
         if idem is None or self._locks is None:
             return self._insert(principal, request, kind, None)
         with self._locks.hold(principal.tenant_id, idem):
@@ -159,6 +154,11 @@ class JobService:
         kind: JobKind,
         idem: IdempotencyKey | None,
     ) -> JobObject:
+        # The stored request carries the priority it runs at, so the worker (and the engine)
+        # see the same value as the broker.
+        priority = principal.priority.resolve(request.priority)
+        if request.effective_priority() != priority:
+            request = request.model_copy(update={"priority": priority})
         now = datetime.now(UTC)
         values: dict[str, Any] = {
             "id": new_id("job"),
