@@ -110,7 +110,11 @@ def build_services(settings: Settings, *, db_pool_size: int = 10) -> Services:
         chat=ChatService(jobs, streams, wait_seconds=settings.sync_wait_seconds),
         files=FileService(db, policy, settings),
         batches=BatchService(
-            db, events, locks=locks, idempotency_ttl_seconds=settings.idempotency_ttl_seconds
+            db,
+            events,
+            locks=locks,
+            idempotency_ttl_seconds=settings.idempotency_ttl_seconds,
+            max_active_lines_per_tenant=settings.max_active_batch_lines_per_tenant,
         ),
         health=HealthService(db, redis, served),
         metrics=MetricsService(db, redis, queue, served),

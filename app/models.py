@@ -61,10 +61,14 @@ class JobKind(StrEnum):
 
 class Tenant(Base):
     __tablename__ = "tenants"
+    __table_args__ = (CheckConstraint("priority_min <= priority_max", name="priority_band"),)
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     name: Mapped[str] = mapped_column(String(128), unique=True)
     created_at: Mapped[datetime] = mapped_column(server_default=func.now())
+    # The `priority` values this tenant's requests may ask for (app/services/priority.py).
+    priority_min: Mapped[int] = mapped_column(Integer, server_default="0")
+    priority_max: Mapped[int] = mapped_column(Integer, server_default="100")
 
 
 class ApiKey(Base):
@@ -99,10 +103,12 @@ class Job(Base):
             "model",
             postgresql_where=text("status IN ('queued','running')"),
         ),
-        # The batch feeder's queue: lines not yet sent to the broker, in the order they go.
+        # The batch feeder's queue: lines not yet sent to the broker, per tenant, in the
+        # order they go.
         Index(
             "ix_jobs_undispatched",
             "model",
+            "tenant_id",
             "priority",
             "batch_id",
             "line_no",
@@ -113,6 +119,12 @@ class Job(Base):
             "ix_jobs_tenant_active",
             "tenant_id",
             postgresql_where=text("status IN ('queued','running') AND batch_id IS NULL"),
+        ),
+        # Unfinished batch lines per tenant: what the batch-line cap counts.
+        Index(
+            "ix_jobs_tenant_active_lines",
+            "tenant_id",
+            postgresql_where=text("status IN ('queued','running') AND batch_id IS NOT NULL"),
         ),
         # Batch lines out with the broker or running: what the feeder's window counts.
         Index(

@@ -99,6 +99,11 @@ class Settings(BaseSettings):
         ge=0,
         description="Single jobs queued or running per tenant (batch lines apart); 0: no cap.",
     )
+    max_active_batch_lines_per_tenant: int = Field(
+        default=100_000,
+        ge=0,
+        description="Unfinished batch lines per tenant, checked at batch creation; 0: no cap.",
+    )
     idempotency_ttl_seconds: int = Field(
         default=24 * 3600, ge=60, description="How long an Idempotency-Key holds."
     )

@@ -21,6 +21,7 @@ from app.services.tools import call_id
 from worker.engine import Engine, EngineDead, EngineUpdate, PromptTooLong
 from worker.loop import LoopThread
 from worker.response import ChoiceState, build_completion, build_usage, completion_id, finalize
+from worker.slots import JobSlots
 from worker.stats import ResourceSampler, generation_stats, power_usage
 from worker.store import Claim, JobStore, Result
 from worker.streaming import JobStream, StreamPublisher, StreamShape
@@ -54,6 +55,9 @@ class RunnerConfig:
     # How long a result write keeps retrying while Postgres is unreachable.
     write_retry_seconds: float = 120.0
     tool_parser: str | None = None
+    # Jobs in the engine at once, however the task threads' messages divide them (None: no
+    # bound, for tests only).
+    max_inflight: int | None = None
 
 
 class Outcome:
@@ -134,6 +138,7 @@ class JobRunner:
         self._config = config
         self._inflight: dict[str, Inflight] = {}
         self._lock = threading.Lock()
+        self._slots = JobSlots(config.max_inflight) if config.max_inflight else None
         self.engine_dead = threading.Event()
 
     # --- control from other threads -------------------------------------------------
@@ -178,9 +183,25 @@ class JobRunner:
         return self.run_many([job_id]).get(job_id)
 
     def run_many(self, job_ids: list[str]) -> dict[str, str | None]:
-        """Run the jobs among `job_ids` that can be claimed, all at once in the engine."""
+        """Run the jobs among `job_ids` that can be claimed, all at once in the engine. When
+        this worker has fewer free job slots than `job_ids` (a chunk of batch lines), it
+        runs as many as it has room for and hands the rest back to the batch feeder at once,
+        unclaimed: jobs in the engine never exceed the worker's capacity."""
         if self.engine_dead.is_set():
             raise EngineDead("engine is dead; refusing new work")
+        held = self._slots.take(len(job_ids)) if self._slots is not None else len(job_ids)
+        try:
+            if held < len(job_ids):
+                rest = job_ids[held:]
+                job_ids = job_ids[:held]
+                self._persist(lambda: self._store.undispatch(rest), {"jobs": len(rest)})
+                log.info("worker full; batch lines handed back to the feeder", extra={"jobs": len(rest)})
+            return self._run_claimable(job_ids)
+        finally:
+            if self._slots is not None:
+                self._slots.give(held)
+
+    def _run_claimable(self, job_ids: list[str]) -> dict[str, str | None]:
         cfg = self._config
         claims = self._persist(
             lambda: self._store.claim_many(job_ids, cfg.worker_name, cfg.lease_seconds, cfg.max_attempts),
@@ -231,6 +252,7 @@ class JobRunner:
                 renderer=self._renderer,
                 max_model_len=self._engine.max_model_len(),
                 tool_parser=self._config.tool_parser,
+                priority=claim.priority,
             )
         except LlmqError as exc:
             run.result = self._failed(run, exc.body())

@@ -18,6 +18,7 @@ from app.db import Database
 from app.events import JobEvents
 from app.queue import JobQueue, create_producer
 from app.services.batch_lifecycle import BatchLifecycle
+from app.services.health import live_capacity
 from app.settings import Settings
 from worker.batches import BatchScheduler
 from worker.control import CancelListener, LeaseKeeper, RegistryHeartbeat
@@ -128,6 +129,7 @@ class WorkerRuntime:
                 job_timeout_seconds=settings.job_timeout_seconds,
                 system_fingerprint=model_fingerprint(engine, settings.model),
                 tool_parser=settings.tool_call_parser,
+                max_inflight=settings.inflight_limit,
             ),
         )
         self.sweeper = Sweeper(
@@ -148,6 +150,7 @@ class WorkerRuntime:
                 self.events,
                 window=settings.batch_dispatch_window,
                 chunk=settings.batch_chunk_size,
+                capacity=lambda model: live_capacity(self.redis, model),
             ),
             tick_seconds=settings.batch_tick_seconds,
         )

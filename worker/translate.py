@@ -10,6 +10,7 @@ from typing import Any, Protocol
 from app.models import JobKind
 from app.schemas.chat import AssistantMessage, ChatCompletionV2Request
 from app.services.contract import completion_budget
+from app.services.priority import clamp
 from app.services.prompts import message_text
 from app.services.structured import constraint
 from app.services.tools import ToolPlan, plan_tools
@@ -96,8 +97,12 @@ def translate(
     renderer: Renderer,
     max_model_len: int,
     tool_parser: str | None = None,
+    priority: int | None = None,
 ) -> Translation:
-    """Raises:
+    """`priority` is the job row's (resolved within the tenant's band when it was accepted);
+    it wins over the request's own, which a batch line may leave unset.
+
+    Raises:
     InvalidRequest: the prompt does not fit the model's context, or the template refused
     the messages (a 400 for this job only).
     """
@@ -112,7 +117,9 @@ def translate(
         sampling=sampling_kwargs(
             req, max_tokens=max_tokens, bench=kind == JobKind.BENCH.value, structured=structured
         ),
-        priority=req.effective_priority(),
+        # Clamped to the documented range, so a row written before bands existed cannot
+        # hand the engine an extreme value.
+        priority=clamp(req.effective_priority() if priority is None else priority),
     )
     return Translation(
         request=req,

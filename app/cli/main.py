@@ -212,6 +212,19 @@ def cmd_keys_revoke(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tenants_set(args: argparse.Namespace) -> int:
+    keys = _keys(args)
+    if args.priority_min is None and args.priority_max is None:
+        band = keys.priority_band(args.tenant)
+    else:
+        keys.ensure_tenant(args.tenant)
+        band = keys.set_priority_band(args.tenant, args.priority_min, args.priority_max)
+    print(
+        f"tenant {args.tenant}: priority {band.low}..{band.high} (lower runs earlier; default {band.default})"
+    )
+    return 0
+
+
 # --- models -----------------------------------------------------------------------------
 
 
@@ -301,6 +314,21 @@ def build_parser() -> argparse.ArgumentParser:
     kr.add_argument("key_id")
     kr.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
     kr.set_defaults(func=cmd_keys_revoke)
+
+    tenants = sub.add_parser("tenants", help="set what a tenant may ask for")
+    tenants_sub = tenants.add_subparsers(dest="tenants_command", required=True, metavar="ACTION")
+    ts = tenants_sub.add_parser(
+        "set",
+        help="set the band of `priority` values a tenant's requests may use (created if new); "
+        "with no band flags, print it",
+    )
+    ts.add_argument("tenant")
+    ts.add_argument(
+        "--priority-min", type=int, default=None, help="most favourable priority allowed (lower runs earlier)"
+    )
+    ts.add_argument("--priority-max", type=int, default=None, help="least favourable priority allowed")
+    ts.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
+    ts.set_defaults(func=cmd_tenants_set)
 
     batch = sub.add_parser("batch", help="submit JSONL batches and follow them (OpenAI Batch API)")
     batch_sub = batch.add_subparsers(dest="batch_command", required=True, metavar="ACTION")

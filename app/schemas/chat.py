@@ -279,7 +279,12 @@ class ChatCompletionV2Request(WireModel):
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
-    priority: int | None = Field(default=None, ge=-(2**31), le=2**31 - 1)
+    priority: int | None = Field(
+        default=None,
+        ge=-(2**31),
+        le=2**31 - 1,
+        description="Lower runs earlier; within the tenant's band (0..100 unless an operator sets another).",
+    )
 
     def completion_limit(self) -> int | None:
         """`max_completion_tokens` wins over the deprecated `max_tokens`."""

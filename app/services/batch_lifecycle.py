@@ -5,6 +5,9 @@ Run by workers (worker/batches.py), one at a time under Postgres advisory locks.
 from __future__ import annotations
 
 import logging
+import time
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -17,8 +20,11 @@ from app.ids import new_id
 from app.models import Batch, BatchStatus, File, FilePurpose, JobStatus
 from app.queue import JobQueue
 from app.services.batches import BATCH_COUNTS, end_lines, output_lines, tell_ended
+from app.services.fair_share import FairShare
 
 log = logging.getLogger("llmq.batches")
+
+CAPACITY_TTL_SECONDS = 2.0
 
 _MODELS_WAITING = text(
     "SELECT DISTINCT model FROM jobs WHERE status = 'queued' AND batch_id IS NOT NULL AND enqueued_at IS NULL"
@@ -27,13 +33,19 @@ _OUTSTANDING = text(
     "SELECT count(*) FROM jobs WHERE model = :model AND batch_id IS NOT NULL "
     "AND (status = 'running' OR (status = 'queued' AND enqueued_at IS NOT NULL))"
 )
+# Lines waiting per tenant: what the fair share divides the room among.
+_WAITING = text(
+    "SELECT tenant_id, count(*) AS n FROM jobs WHERE model = :model AND status = 'queued' "
+    "AND batch_id IS NOT NULL AND enqueued_at IS NULL GROUP BY tenant_id"
+)
 _TAKE = text(
     """
     UPDATE jobs SET enqueued_at = now()
     WHERE id IN (
       SELECT id FROM jobs
-      WHERE model = :model AND status = 'queued' AND batch_id IS NOT NULL AND enqueued_at IS NULL
-      ORDER BY priority, batch_id, line_no LIMIT :room FOR UPDATE SKIP LOCKED)
+      WHERE model = :model AND tenant_id = :tenant AND status = 'queued' AND batch_id IS NOT NULL
+        AND enqueued_at IS NULL
+      ORDER BY priority, batch_id, line_no LIMIT :n FOR UPDATE SKIP LOCKED)
     RETURNING id, priority, batch_id, line_no
     """
 )
@@ -46,33 +58,68 @@ class FeedReport:
 
 
 class BatchLifecycle:
-    def __init__(self, db: Database, queue: JobQueue, events: JobEvents, *, window: int, chunk: int) -> None:
+    def __init__(
+        self,
+        db: Database,
+        queue: JobQueue,
+        events: JobEvents,
+        *,
+        window: int,
+        chunk: int,
+        capacity: Callable[[str], int | None] | None = None,
+        share: FairShare | None = None,
+    ) -> None:
         self._db = db
         self._queue = queue
         self._events = events
         self._window = window
         self._chunk = chunk
+        self._capacity = capacity
+        self._share = share or FairShare()
+        self._live: dict[str, tuple[float, int | None]] = {}
+
+    def window(self, model: str) -> int:
+        """Lines that may be out (sent or running) for `model`: the setting, but no more than
+        the live workers serving it can run at once. Lines sent beyond that would only wait
+        in a worker (or be handed back by it) instead of here, where the fair share applies."""
+        if self._capacity is None:
+            return self._window
+        seen = self._live.get(model)
+        if seen is None or time.monotonic() - seen[0] > CAPACITY_TTL_SECONDS:
+            seen = (time.monotonic(), self._capacity(model))  # a registry scan: not every tick
+            self._live[model] = seen
+        live = seen[1]
+        return min(self._window, live) if live else self._window
 
     def feed(self) -> FeedReport:
-        """Send waiting batch lines to the broker, in priority and line order, while fewer
-        than `window` lines per model are out (sent or running). A 50,000-line batch thus
-        never floods Redis, and single jobs (sent at once, at a higher broker priority)
-        never wait behind it."""
+        """Send waiting batch lines to the broker while fewer than `window` lines per model
+        are out, sharing that room among tenants (app/services/fair_share.py), each
+        tenant's lines in priority and line order. A 50,000-line batch thus never floods
+        Redis nor holds another tenant's batch back, and single jobs (sent at once, at a
+        higher broker priority) never wait behind it."""
         report = FeedReport()
         with self._db.session() as s:
             models = list(s.scalars(_MODELS_WAITING))
         for model in models:
+            window = self.window(model)
+            chunk = min(self._chunk, window)
             with self._db.session() as s:
-                room = self._window - int(s.scalar(_OUTSTANDING, {"model": model}) or 0)
-                if room < min(self._chunk, self._window):
+                room = window - int(s.scalar(_OUTSTANDING, {"model": model}) or 0)
+                if room < chunk:
                     continue
-                taken = s.execute(_TAKE, {"model": model, "room": room}).all()
-            rows = sorted(taken, key=lambda r: (r.priority, r.batch_id, r.line_no))
-            for start in range(0, len(rows), self._chunk):
-                chunk = rows[start : start + self._chunk]
+                waiting = {r.tenant_id: int(r.n) for r in s.execute(_WAITING, {"model": model})}
+                picks = self._share.pick(waiting, room)
+                taken = {
+                    tenant: iter(s.execute(_TAKE, {"model": model, "tenant": tenant, "n": n}).all())
+                    for tenant, n in Counter(picks).items()
+                }
+            # Interleaved as picked, so the first message already carries every tenant's lines.
+            rows = [row for row in (next(taken[t], None) for t in picks) if row is not None]
+            for start in range(0, len(rows), chunk):
+                part = rows[start : start + chunk]
                 # If this send fails, the sweeper finds the lines without a message and
                 # gives them back to the feeder.
-                self._queue.enqueue_chunk([r.id for r in chunk], model, min(r.priority for r in chunk))
+                self._queue.enqueue_chunk([r.id for r in part], model, min(r.priority for r in part))
                 report.messages += 1
             report.lines += len(rows)
         return report

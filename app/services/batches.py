@@ -33,6 +33,7 @@ from app.schemas.batches import (
 from app.services.idempotency import IdempotencyKey, IdempotencyLocks
 from app.services.keys import Principal
 from app.services.parsing import parse_model
+from app.services.quotas import check_batch_lines
 
 log = logging.getLogger("llmq.batches")
 
@@ -51,10 +52,19 @@ _CREATE_JOBS = text(
     INSERT INTO jobs (id, tenant_id, kind, status, priority, model, request, metadata, attempts, epoch,
                       created_at, enqueued_at, batch_id, custom_id, line_no)
     SELECT 'job_' || :suffix || '_' || lpad(fl.line_no::text, 6, '0'), :tenant, 'chat', 'queued',
-           coalesce((b->>'priority')::int, 0), b->>'model', b, b->'metadata', 0, 0, now(), NULL,
+           coalesce((b->>'priority')::numeric::int, :default_priority), b->>'model', b, b->'metadata', 0, 0,
+           now(), NULL,
            :batch, fl.custom_id, fl.line_no
     FROM file_lines fl, LATERAL (SELECT (fl.raw::json)->'body' AS b) body
     WHERE fl.file_id = :file
+    """
+)
+
+# The first line asking for a priority outside the tenant's band.
+_OUT_OF_BAND = text(
+    """
+    SELECT line_no, p FROM file_lines, LATERAL (SELECT ((raw::json)->'body'->>'priority')::numeric AS p) x
+    WHERE file_id = :f AND p IS NOT NULL AND (p < :low OR p > :high) ORDER BY line_no LIMIT 1
     """
 )
 
@@ -84,11 +94,13 @@ class BatchService:
         *,
         locks: IdempotencyLocks | None = None,
         idempotency_ttl_seconds: int = 24 * 3600,
+        max_active_lines_per_tenant: int = 0,
     ) -> None:
         self._db = db
         self._events = events
         self._locks = locks
         self._idempotency_ttl = idempotency_ttl_seconds
+        self._max_active_lines = max_active_lines_per_tenant
 
     # --- create -------------------------------------------------------------------------
 
@@ -102,8 +114,10 @@ class BatchService:
     ) -> BatchObject:
         """Raises:
         InvalidRequest: bad fields, an endpoint the file's lines do not use, too much metadata.
+        InvalidRequest: a line's `priority` is outside the tenant's band.
         NotFound: no such input file for this tenant.
         Conflict / Unprocessable: the idempotency key is in use, or was used with another body.
+        RateLimited: the tenant's unfinished batch lines would pass their cap.
         """
         if idem is None or self._locks is None:
             return self._create(principal, payload, parent, None)
@@ -159,6 +173,12 @@ class BatchService:
                     f"not the batch's endpoint {req.endpoint!r}",
                     param="endpoint",
                 )
+            band = principal.priority
+            # Lines were checked at upload, before any band applied: the band is checked here.
+            outside = s.execute(_OUT_OF_BAND, {"f": f.id, "low": band.low, "high": band.high}).first()
+            if outside is not None:
+                band.resolve(int(outside.p), where=f"line {outside.line_no}: ")
+            check_batch_lines(s, principal.tenant_id, f.line_count, self._max_active_lines)
             now = datetime.now(UTC)
             batch = Batch(
                 id=new_id("batch"),
@@ -185,6 +205,7 @@ class BatchService:
                     "tenant": principal.tenant_id,
                     "batch": batch.id,
                     "file": f.id,
+                    "default_priority": band.default,
                 },
             )
         log.info(

@@ -42,6 +42,11 @@ def live_workers(redis: Redis[bytes]) -> list[dict[str, Any]]:
     return [json.loads(v) for v in values if v]
 
 
+def live_capacity(redis: Redis[bytes], model: str) -> int:
+    """Jobs the live workers serving `model` can run at once, all together (0: none live)."""
+    return sum(int(w.get("capacity") or 0) for w in live_workers(redis) if w.get("model") == model)
+
+
 class HealthService:
     def __init__(self, db: Database, redis: Redis[bytes], served_models: frozenset[str]) -> None:
         self._db = db

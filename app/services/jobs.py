@@ -6,10 +6,10 @@ import logging
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import func, insert, select, update
+from sqlalchemy import insert, select, update
 
 from app.db import Database
-from app.errors import Conflict, InvalidRequest, NotFound, RateLimited
+from app.errors import Conflict, InvalidRequest, NotFound
 from app.events import JobEvents, end_event
 from app.ids import new_id
 from app.models import Job, JobKind, JobStatus
@@ -21,6 +21,7 @@ from app.services.contract import RequestPolicy
 from app.services.idempotency import IdempotencyKey, IdempotencyLocks
 from app.services.keys import Principal
 from app.services.parsing import parse_model
+from app.services.quotas import check_single_jobs
 
 log = logging.getLogger("llmq.jobs")
 
@@ -125,6 +126,7 @@ class JobService:
             Conflict: the same key is being handled right now.
             Unprocessable: the key was used with another body.
             RateLimited: the tenant has too many single jobs queued or running.
+            InvalidRequest: `priority` is outside the tenant's band.
         """
         if idem is None or self._locks is None:
             return self._insert(principal, request, kind, None)
@@ -145,25 +147,6 @@ class JobService:
             idem.check_same(job.request_hash)
             return to_job_object(job)
 
-    def _check_active(self, principal: Principal) -> None:
-        if not self._max_active:
-            return
-        with self._db.session() as s:
-            active = s.scalar(
-                select(func.count())
-                .select_from(Job)
-                .where(
-                    Job.tenant_id == principal.tenant_id,
-                    Job.batch_id.is_(None),
-                    Job.status.in_((JobStatus.QUEUED.value, JobStatus.RUNNING.value)),
-                )
-            )
-        if active is not None and active >= self._max_active:
-            raise RateLimited(
-                f"{active} jobs are queued or running for this tenant; the cap is {self._max_active}",
-                retry_after=5,
-            )
-
     def _insert(
         self,
         principal: Principal,
@@ -171,7 +154,11 @@ class JobService:
         kind: JobKind,
         idem: IdempotencyKey | None,
     ) -> JobObject:
-        self._check_active(principal)
+        # The stored request carries the priority it runs at, so the worker (and the engine)
+        # see the same value as the broker.
+        priority = principal.priority.resolve(request.priority)
+        if request.effective_priority() != priority:
+            request = request.model_copy(update={"priority": priority})
         now = datetime.now(UTC)
         values: dict[str, Any] = {
             "id": new_id("job"),
@@ -192,6 +179,9 @@ class JobService:
             "request_hash": idem.fingerprint if idem else None,
         }
         with self._db.session() as s:
+            # Counted and inserted in one transaction under the tenant's lock: concurrent
+            # submits cannot all see the last free place.
+            check_single_jobs(s, principal.tenant_id, self._max_active)
             # A Core insert: the ORM unit of work would cost about a millisecond per job here.
             s.execute(insert(Job).values(**values))
         job = Job(**values)

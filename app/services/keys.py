@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from sqlalchemy import select, update
@@ -14,6 +14,7 @@ from app.db import Database
 from app.errors import NotFound, Unauthorized
 from app.ids import new_id
 from app.models import ApiKey, Tenant
+from app.services.priority import PriorityBand
 
 KEY_PREFIX = "llmq-"
 
@@ -32,6 +33,8 @@ class Principal:
 
     tenant_id: str
     key_id: str
+    # The `priority` values this tenant may ask for.
+    priority: PriorityBand = field(default_factory=PriorityBand)
 
 
 @dataclass(frozen=True)
@@ -89,13 +92,44 @@ class KeyService:
             raise Unauthorized("missing API key: send 'Authorization: Bearer <key>'")
         with self._db.session() as s:
             row = s.execute(
-                select(ApiKey.id, ApiKey.tenant_id).where(
-                    ApiKey.key_hash == hash_key(key), ApiKey.revoked_at.is_(None)
-                )
+                select(ApiKey.id, ApiKey.tenant_id, Tenant.priority_min, Tenant.priority_max)
+                .join(Tenant, Tenant.id == ApiKey.tenant_id)
+                .where(ApiKey.key_hash == hash_key(key), ApiKey.revoked_at.is_(None))
             ).first()
         if row is None:
             raise Unauthorized("invalid API key")
-        return Principal(tenant_id=row.tenant_id, key_id=row.id)
+        return Principal(
+            tenant_id=row.tenant_id,
+            key_id=row.id,
+            priority=PriorityBand(row.priority_min, row.priority_max),
+        )
+
+    def set_priority_band(self, tenant: str, low: int | None = None, high: int | None = None) -> PriorityBand:
+        """Set the band of `priority` values a tenant may ask for (either end, or both).
+
+        Raises:
+            NotFound: no such tenant.
+            ValueError: the band is empty or leaves the documented range.
+        """
+        with self._db.session() as s:
+            row = s.scalar(select(Tenant).where(Tenant.id == tenant).with_for_update())
+            if row is None:
+                raise NotFound(f"no tenant {tenant!r}", param="tenant")
+            band = PriorityBand(
+                row.priority_min if low is None else low, row.priority_max if high is None else high
+            )
+            row.priority_min, row.priority_max = band.low, band.high
+        return band
+
+    def priority_band(self, tenant: str) -> PriorityBand:
+        """Raises NotFound: no such tenant."""
+        with self._db.session() as s:
+            row = s.execute(
+                select(Tenant.priority_min, Tenant.priority_max).where(Tenant.id == tenant)
+            ).first()
+        if row is None:
+            raise NotFound(f"no tenant {tenant!r}", param="tenant")
+        return PriorityBand(row.priority_min, row.priority_max)
 
     def list_keys(self, tenant: str | None = None) -> list[KeyInfo]:
         with self._db.session() as s:

@@ -13,9 +13,14 @@ class FakeStore:
 
     def __init__(self) -> None:
         self.jobs: dict[str, dict[str, Any]] = {}
+        self.handed_back: list[str] = []
 
     def add(self, job_id: str, request: dict[str, Any], kind: str = "chat") -> None:
         self.jobs[job_id] = {"status": "queued", "epoch": 0, "attempts": 0, "request": request, "kind": kind}
+
+    def undispatch(self, job_ids: list[str]) -> None:
+        """Batch lines given back to the feeder, unclaimed."""
+        self.handed_back.extend(j for j in job_ids if self.jobs[j]["status"] == "queued")
 
     def claim_many(
         self, job_ids: list[str], owner: str, lease_seconds: float, max_attempts: int

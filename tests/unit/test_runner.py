@@ -165,3 +165,62 @@ def test_a_chunk_runs_together_and_one_bad_line_fails_alone(loop: LoopThread) ->
     assert store.jobs["job_3"]["error"]["error"]["code"] == "context_length_exceeded"
     assert all(store.jobs[f"job_{i}"]["usage"]["completion_tokens"] == 3 for i in range(6) if i != 3)
     assert sorted(j for j, _ in streams.ended) == [f"job_{i}" for i in range(6)]
+
+
+class CountingEngine(InstantEngine):
+    """Counts the requests inside the engine at once (all on the loop thread)."""
+
+    def __init__(self, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(**kwargs)
+        self.now = 0
+        self.peak = 0
+
+    async def generate(self, spec):  # type: ignore[no-untyped-def]
+        self.now += 1
+        self.peak = max(self.peak, self.now)
+        try:
+            async for update in super().generate(spec):
+                yield update
+        finally:
+            self.now -= 1
+
+
+def test_jobs_in_the_engine_never_exceed_the_workers_capacity(loop: LoopThread) -> None:
+    """Six task threads each run a chunk of 8 batch lines against a capacity of 10: never more
+    than 10 jobs in the engine; the lines that did not fit go back to the feeder unclaimed,
+    none is lost and nothing deadlocks."""
+    store, streams = FakeStore(), FakeStreams()
+    chunks = [[f"job_{c}_{i}" for i in range(8)] for c in range(6)]
+    for job_id in (j for chunk in chunks for j in chunk):
+        store.add(job_id, body(max_tokens=20))
+    engine = CountingEngine(delay=0.005)
+    runner = JobRunner(
+        store,  # type: ignore[arg-type]
+        engine,
+        loop,
+        ByteRenderer(),
+        ResourceSampler(self_pid, None),
+        streams,  # type: ignore[arg-type]
+        RunnerConfig(
+            "w1",
+            lease_seconds=30,
+            max_attempts=3,
+            job_timeout_seconds=30,
+            system_fingerprint="fp_test",
+            max_inflight=10,
+        ),
+    )
+    threads = [threading.Thread(target=runner.run_many, args=(chunk,)) for chunk in chunks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert not any(t.is_alive() for t in threads)
+    assert 1 <= engine.peak <= 10
+    succeeded = {j for j, job in store.jobs.items() if job["status"] == "succeeded"}
+    assert len(succeeded) >= 10
+    assert succeeded | set(store.handed_back) == set(store.jobs)
+    assert all(store.jobs[j]["status"] == "queued" for j in store.handed_back)
+    # Single jobs wait for a slot instead of being handed back.
+    store.add("job_single", body(max_tokens=2))
+    assert runner.run("job_single") == "succeeded"

@@ -1,0 +1,59 @@
+"""Per-tenant caps on unfinished work: single jobs queued or running, and batch lines not
+yet finished. Each check runs inside the transaction that inserts the work, after taking a
+transaction-scoped advisory lock on the tenant, so concurrent submits cannot both see room
+that only one of them may use: count and insert are one atomic step per tenant."""
+
+from __future__ import annotations
+
+from sqlalchemy import func, select, text
+from sqlalchemy.orm import Session
+
+from app.errors import RateLimited
+from app.models import Job, JobStatus
+
+_ACTIVE = (JobStatus.QUEUED.value, JobStatus.RUNNING.value)
+_LOCK = text("SELECT pg_advisory_xact_lock(hashtextextended(:key, 0))")
+
+
+def lock_tenant(s: Session, tenant_id: str) -> None:
+    """Serialise this tenant's cap checks until the transaction ends (commit or rollback)."""
+    s.execute(_LOCK, {"key": f"llmq:tenant-cap:{tenant_id}"})
+
+
+def _unfinished(s: Session, tenant_id: str, *, batch_lines: bool) -> int:
+    in_batch = Job.batch_id.is_not(None) if batch_lines else Job.batch_id.is_(None)
+    q = (
+        select(func.count())
+        .select_from(Job)
+        .where(Job.tenant_id == tenant_id, in_batch, Job.status.in_(_ACTIVE))
+    )
+    return int(s.scalar(q) or 0)
+
+
+def check_single_jobs(s: Session, tenant_id: str, cap: int) -> None:
+    """Raises RateLimited when the tenant has `cap` single jobs queued or running (0: no cap).
+    Call inside the inserting transaction."""
+    if not cap:
+        return
+    lock_tenant(s, tenant_id)
+    active = _unfinished(s, tenant_id, batch_lines=False)
+    if active >= cap:
+        raise RateLimited(
+            f"{active} jobs are queued or running for this tenant; the cap is {cap}", retry_after=5
+        )
+
+
+def check_batch_lines(s: Session, tenant_id: str, adding: int, cap: int) -> None:
+    """Raises RateLimited when `adding` more batch lines would take the tenant's unfinished
+    lines past `cap` (0: no cap). Call inside the inserting transaction."""
+    if not cap:
+        return
+    lock_tenant(s, tenant_id)
+    active = _unfinished(s, tenant_id, batch_lines=True)
+    if active + adding > cap:
+        free = max(0, cap - active)
+        raise RateLimited(
+            f"this batch has {adding} lines but only {free} of the tenant's {cap} unfinished "
+            f"batch lines are free ({active} are queued or running); retry when earlier batches finish",
+            retry_after=30,
+        )
