@@ -72,21 +72,19 @@ def build_engine(settings: Settings) -> tuple[Engine, Renderer]:
         return InstantEngine(
             context=settings.max_model_len or 4096, delay=settings.instant_token_seconds
         ), ByteRenderer()
-    from app.services.prompts import ChatRenderer, TemplateSandbox
+    from app.container import template_sandbox
+    from app.services.prompts import ChatRenderer
     from worker.vllm_engine import VllmEngine
 
     if not settings.model:
         raise RuntimeError("LLMQ_MODEL is not set: point it at a model folder or name")
-    sandbox = (
-        TemplateSandbox(
-            settings.model,
-            timeout=settings.chat_template_timeout_seconds,
-            max_output=settings.max_body_bytes * 4,
-        )
-        if settings.allow_custom_chat_template
-        else None
+    renderer = ChatRenderer.load(
+        settings.model,
+        sandbox=template_sandbox(settings, settings.model),
+        custom_templates=settings.allow_custom_chat_template,
+        inprocess_max_bytes=settings.inprocess_render_max_bytes,
     )
-    return VllmEngine(settings), ChatRenderer.load(settings.model, sandbox=sandbox)
+    return VllmEngine(settings), renderer
 
 
 class WorkerRuntime:
@@ -128,6 +126,7 @@ class WorkerRuntime:
                 job_timeout_seconds=settings.job_timeout_seconds,
                 system_fingerprint=model_fingerprint(engine, settings.model),
                 tool_parser=settings.tool_call_parser,
+                max_request_bytes=settings.max_request_bytes,
             ),
         )
         self.sweeper = Sweeper(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime
 from typing import Any
 
@@ -18,7 +19,13 @@ class FakeStore:
         self.jobs[job_id] = {"status": "queued", "epoch": 0, "attempts": 0, "request": request, "kind": kind}
 
     def claim_many(
-        self, job_ids: list[str], owner: str, lease_seconds: float, max_attempts: int
+        self,
+        job_ids: list[str],
+        owner: str,
+        lease_seconds: float,
+        max_attempts: int,
+        *,
+        max_request_bytes: int = 2**62,
     ) -> list[Claim]:
         claims = []
         for job_id in job_ids:
@@ -26,6 +33,7 @@ class FakeStore:
             if job is None or job["status"] != "queued" or job["attempts"] >= max_attempts:
                 continue
             job.update(status="running", epoch=job["epoch"] + 1, attempts=job["attempts"] + 1, owner=owner)
+            size = len(json.dumps(job["request"]))
             claims.append(
                 Claim(
                     job_id,
@@ -35,9 +43,10 @@ class FakeStore:
                     "m",
                     0,
                     "t",
-                    job["request"],
+                    {} if size > max_request_bytes else job["request"],
                     datetime.now(UTC),
                     None,
+                    size,
                 )
             )
         return claims
