@@ -88,7 +88,7 @@ def prompt_counter(settings: Settings) -> tuple[Callable[[ChatCompletionV2Reques
     return count, int(context) if context else None
 
 
-def template_sandbox(settings: Settings, model: str) -> TemplateSandbox:
+def template_sandbox(settings: Settings, model: str, *, wait_seconds: float | None = None) -> TemplateSandbox:
     from app.services.template_sandbox import TemplateSandbox
 
     return TemplateSandbox(
@@ -96,6 +96,7 @@ def template_sandbox(settings: Settings, model: str) -> TemplateSandbox:
         timeout=settings.chat_template_timeout_seconds,
         max_output=settings.max_body_bytes * 4,
         processes=settings.template_sandbox_processes,
+        wait_seconds=wait_seconds,
     )
 
 

@@ -105,8 +105,9 @@ class Settings(BaseSettings):
     inprocess_render_max_bytes: int = Field(
         default=64 * 1024,
         ge=0,
-        description="Requests (messages, tools, documents) up to this size with the model's own "
-        "template and no `chat_template_kwargs` render in-process; larger ones in the sandbox.",
+        description="In the API, requests (messages, tools, documents) up to this size with the "
+        "model's own template and no `chat_template_kwargs` render in-process; larger ones in the "
+        "sandbox (the worker renders those in-process up to LLMQ_MAX_REQUEST_BYTES).",
     )
     tool_call_parser: str | None = Field(
         default=None,

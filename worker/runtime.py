@@ -78,11 +78,14 @@ def build_engine(settings: Settings) -> tuple[Engine, Renderer]:
 
     if not settings.model:
         raise RuntimeError("LLMQ_MODEL is not set: point it at a model folder or name")
+    # A worker thread may render the model's own template in-process up to the request
+    # bound (no event loop to block, and big prompts are its ordinary work); a job waits
+    # for a free sandbox under its renewed lease rather than failing as busy.
     renderer = ChatRenderer.load(
         settings.model,
-        sandbox=template_sandbox(settings, settings.model),
+        sandbox=template_sandbox(settings, settings.model, wait_seconds=settings.job_timeout_seconds),
         custom_templates=settings.allow_custom_chat_template,
-        inprocess_max_bytes=settings.inprocess_render_max_bytes,
+        inprocess_max_bytes=settings.max_request_bytes,
     )
     return VllmEngine(settings), renderer
 

@@ -139,12 +139,16 @@ class TemplateSandbox:
         processes: int = 2,
         memory_bytes: int = 2 * 2**30,
         start_timeout: float = 120.0,
+        wait_seconds: float | None = None,
     ) -> None:
+        """`wait_seconds`: how long a render may wait for a free child (default 4 × `timeout`;
+        the wait costs no CPU) before it is refused as busy."""
         self._model = model
         self._timeout = timeout
         self._max_output = max_output
         self._memory = memory_bytes
         self._start_timeout = start_timeout
+        self._wait = wait_seconds if wait_seconds is not None else 4 * timeout
         # Idle slots, the last used first (warm); None: a child not started (or killed).
         self._slots: queue.LifoQueue[_Child | None] = queue.LifoQueue()
         for _ in range(processes):
@@ -164,7 +168,7 @@ class TemplateSandbox:
         """
         try:
             # Waiting for a free child costs no CPU (greenlets and threads sleep meanwhile).
-            child = self._slots.get(timeout=self._timeout * 4)
+            child = self._slots.get(timeout=self._wait)
         except queue.Empty as exc:
             raise ServiceUnavailable("every template sandbox is busy; retry later", param=param) from exc
         try:
