@@ -6,6 +6,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from redis import Redis
 
@@ -25,6 +26,9 @@ from app.services.limits import RateLimiter
 from app.services.metrics import MetricsService
 from app.services.streaming import Notifier, StreamService
 from app.settings import Settings
+
+if TYPE_CHECKING:
+    from app.services.template_sandbox import TemplateSandbox
 
 
 @dataclass
@@ -66,7 +70,14 @@ def prompt_counter(settings: Settings) -> tuple[Callable[[ChatCompletionV2Reques
     from app.services.prompts import ChatRenderer
     from app.services.tools import plan_tools
 
-    renderer = ChatRenderer.load(str(folder))
+    # gevent workers: a render with user input must never run in this process (it would
+    # block every greenlet); the sandbox children render it under the time limit.
+    renderer = ChatRenderer.load(
+        str(folder),
+        sandbox=template_sandbox(settings, str(folder)),
+        custom_templates=False,  # the API does not count user templates (the worker renders them)
+        inprocess_max_bytes=settings.inprocess_render_max_bytes,
+    )
     context = settings.max_model_len or json.loads((folder / "config.json").read_text()).get(
         "max_position_embeddings"
     )
@@ -75,6 +86,18 @@ def prompt_counter(settings: Settings) -> tuple[Callable[[ChatCompletionV2Reques
         return len(renderer.render(req, plan_tools(req, auto_parser=settings.tool_call_parser)))
 
     return count, int(context) if context else None
+
+
+def template_sandbox(settings: Settings, model: str, *, wait_seconds: float | None = None) -> TemplateSandbox:
+    from app.services.template_sandbox import TemplateSandbox
+
+    return TemplateSandbox(
+        model,
+        timeout=settings.chat_template_timeout_seconds,
+        max_output=settings.max_body_bytes * 4,
+        processes=settings.template_sandbox_processes,
+        wait_seconds=wait_seconds,
+    )
 
 
 def build_services(settings: Settings, *, db_pool_size: int = 10) -> Services:

@@ -62,10 +62,19 @@ class Settings(BaseSettings):
     max_messages: int = Field(default=1000, ge=1)
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     max_json_depth: int = Field(default=64, ge=4)
+    max_request_bytes: int = Field(
+        default=2 * 1024 * 1024,
+        ge=1024,
+        description="A job's request (stored JSON) over this fails alone in the worker (400, "
+        "`request_too_large`) before it is parsed or rendered.",
+    )
     max_stop_sequences: int = 4
 
     # Batches.
     max_upload_bytes: int = Field(default=200 * 1024 * 1024, ge=1024)
+    max_line_bytes: int = Field(
+        default=32 * 1024 * 1024, ge=1024, description="A batch input line over this refuses the upload."
+    )
     max_batch_lines: int = Field(default=50_000, ge=1)
     batch_chunk_size: int = Field(default=32, ge=1, description="Batch lines per broker message.")
     batch_dispatch_window: int = Field(
@@ -79,7 +88,27 @@ class Settings(BaseSettings):
         description="Render user `chat_template`s (in a sandbox process) instead of refusing them.",
     )
     max_chat_template_bytes: int = Field(default=64 * 1024, ge=1)
-    chat_template_timeout_seconds: float = Field(default=2.0, gt=0)
+    chat_template_timeout_seconds: float = Field(
+        default=2.0,
+        gt=0,
+        description="Time limit of a render with user input in the template (a user `chat_template`, "
+        "or `chat_template_kwargs`, or a large request), in a sandbox process.",
+    )
+    max_chat_template_kwargs_bytes: int = Field(
+        default=16 * 1024, ge=2, description="Size limit of `chat_template_kwargs` as JSON."
+    )
+    template_sandbox_processes: int = Field(
+        default=2,
+        ge=1,
+        description="Sandbox render processes per API or worker process (started on first use).",
+    )
+    inprocess_render_max_bytes: int = Field(
+        default=64 * 1024,
+        ge=0,
+        description="In the API, requests (messages, tools, documents) up to this size with the "
+        "model's own template and no `chat_template_kwargs` render in-process; larger ones in the "
+        "sandbox (the worker renders those in-process up to LLMQ_MAX_REQUEST_BYTES).",
+    )
     tool_call_parser: str | None = Field(
         default=None,
         description="vLLM tool parser for `tool_choice: auto` (e.g. hermes); unset refuses auto.",

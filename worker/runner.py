@@ -58,6 +58,8 @@ class RunnerConfig:
     # Jobs in the engine at once, however the task threads' messages divide them (None: no
     # bound, for tests only).
     max_inflight: int | None = None
+    # Requests larger than this (bytes of stored JSON) fail before they are parsed or rendered.
+    max_request_bytes: int = 2 * 1024 * 1024
 
 
 class Outcome:
@@ -204,27 +206,35 @@ class JobRunner:
     def _run_claimable(self, job_ids: list[str]) -> dict[str, str | None]:
         cfg = self._config
         claims = self._persist(
-            lambda: self._store.claim_many(job_ids, cfg.worker_name, cfg.lease_seconds, cfg.max_attempts),
+            lambda: self._store.claim_many(
+                job_ids,
+                cfg.worker_name,
+                cfg.lease_seconds,
+                cfg.max_attempts,
+                max_request_bytes=cfg.max_request_bytes,
+            ),
             {"jobs": len(job_ids)},
         )
         quiet = len(job_ids) > 1
         if len(claims) < len(job_ids):
             log.info("jobs not claimable; skipped", extra={"count": len(job_ids) - len(claims)})
-        runs = [self._prepare(claim, quiet) for claim in claims]
-        ready = [r for r in runs if r.tr is not None]
+        # In flight from the claim on, so the lease keeper renews a lease while its prompt
+        # renders: a slow render is never taken over and rendered twice at once.
+        items = {c.job_id: Inflight(c.job_id, c.epoch, f"{c.job_id}-{c.epoch}") for c in claims}
         with self._lock:
-            for r in ready:
-                assert r.item is not None
-                self._inflight[r.claim.job_id] = r.item
+            self._inflight.update(items)
+        ready: list[Run] = []
         try:
+            runs = [self._prepare(claim, quiet, items[claim.job_id]) for claim in claims]
+            ready = [r for r in runs if r.tr is not None]
             if ready:
                 self._loop.submit(self._drive_all(ready)).result()
             for r in ready:
                 self._conclude(r)
         finally:
             with self._lock:
-                for r in ready:
-                    self._inflight.pop(r.claim.job_id, None)
+                for job_id in items:
+                    self._inflight.pop(job_id, None)
         statuses = self._save([r for r in runs if r.result is not None])
         if any(isinstance(r.outcome and r.outcome.error, EngineDead) for r in ready):
             self.engine_dead.set()
@@ -233,7 +243,7 @@ class JobRunner:
             log.info("chunk done", extra={"jobs": len(job_ids), "claimed": len(claims), **_count(statuses)})
         return statuses
 
-    def _prepare(self, claim: Claim, quiet: bool) -> Run:
+    def _prepare(self, claim: Claim, quiet: bool, item: Inflight) -> Run:
         job_id = claim.job_id
         ctx = {"job_id": job_id, "epoch": claim.epoch, "attempt": claim.attempts, "batch_id": claim.batch_id}
         log.log(logging.DEBUG if quiet else logging.INFO, "job claimed", extra=ctx)
@@ -244,6 +254,17 @@ class JobRunner:
             "system_fingerprint": self._config.system_fingerprint,
         }
         run = Run(claim, self._streams.open(job_id, claim.epoch, header), ctx)
+        limit = self._config.max_request_bytes
+        if claim.request_bytes > limit:
+            # Decided on the size the claim read, before the request is parsed or rendered:
+            # the claim did not even load it (see JobStore.claim_many).
+            too_large = InvalidRequest(
+                f"the request is {claim.request_bytes} bytes; requests over {limit} bytes are not "
+                "rendered (LLMQ_MAX_REQUEST_BYTES)",
+                code="request_too_large",
+            )
+            run.result = self._failed(run, too_large.body())
+            return run
         try:
             run.tr = translate(
                 claim.request,
@@ -258,7 +279,7 @@ class JobRunner:
             run.result = self._failed(run, exc.body())
             return run
         run.stream.reshape(stream_shape(run.tr, job_id), run.tr.spec.n)
-        run.item = Inflight(job_id, claim.epoch, run.tr.spec.request_id)
+        run.item = item
         run.outcome = Outcome(run.tr.spec.n)
         return run
 
@@ -266,8 +287,10 @@ class JobRunner:
         await asyncio.gather(*(self._drive(r) for r in runs))
 
     async def _drive(self, run: Run) -> None:
-        assert run.tr is not None and run.outcome is not None
+        assert run.tr is not None and run.outcome is not None and run.item is not None
         outcome, stream = run.outcome, run.stream
+        if run.item.cancelled or run.item.lost or run.item.released:
+            return  # stopped while its prompt rendered (an abort then found nothing to stop)
 
         async def generate() -> None:
             async for update in self._engine.generate(run.tr.spec):  # type: ignore[union-attr]

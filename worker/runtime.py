@@ -73,21 +73,22 @@ def build_engine(settings: Settings) -> tuple[Engine, Renderer]:
         return InstantEngine(
             context=settings.max_model_len or 4096, delay=settings.instant_token_seconds
         ), ByteRenderer()
-    from app.services.prompts import ChatRenderer, TemplateSandbox
+    from app.container import template_sandbox
+    from app.services.prompts import ChatRenderer
     from worker.vllm_engine import VllmEngine
 
     if not settings.model:
         raise RuntimeError("LLMQ_MODEL is not set: point it at a model folder or name")
-    sandbox = (
-        TemplateSandbox(
-            settings.model,
-            timeout=settings.chat_template_timeout_seconds,
-            max_output=settings.max_body_bytes * 4,
-        )
-        if settings.allow_custom_chat_template
-        else None
+    # A worker thread may render the model's own template in-process up to the request
+    # bound (no event loop to block, and big prompts are its ordinary work); a job waits
+    # for a free sandbox under its renewed lease rather than failing as busy.
+    renderer = ChatRenderer.load(
+        settings.model,
+        sandbox=template_sandbox(settings, settings.model, wait_seconds=settings.job_timeout_seconds),
+        custom_templates=settings.allow_custom_chat_template,
+        inprocess_max_bytes=settings.max_request_bytes,
     )
-    return VllmEngine(settings), ChatRenderer.load(settings.model, sandbox=sandbox)
+    return VllmEngine(settings), renderer
 
 
 class WorkerRuntime:
@@ -130,6 +131,7 @@ class WorkerRuntime:
                 system_fingerprint=model_fingerprint(engine, settings.model),
                 tool_parser=settings.tool_call_parser,
                 max_inflight=settings.inflight_limit,
+                max_request_bytes=settings.max_request_bytes,
             ),
         )
         self.sweeper = Sweeper(

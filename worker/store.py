@@ -32,6 +32,8 @@ class Claim:
     request: dict[str, Any]
     created_at: datetime
     batch_id: str | None
+    # Size of the stored request (bytes of JSON text); over the claim's bound, `request` is {}.
+    request_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,9 @@ _CLAIM = text(
       started_at = coalesce(started_at, now())
     WHERE id = ANY(:ids) AND attempts < :max_attempts AND cancel_requested_at IS NULL
       AND (status = 'queued' OR (status = 'running' AND lease_expires_at < now()))
-    RETURNING id, epoch, attempts, kind, model, priority, tenant_id, request, created_at, batch_id
+    RETURNING id, epoch, attempts, kind, model, priority, tenant_id,
+      CASE WHEN octet_length(request::text) > :max_request THEN CAST('{}' AS json) ELSE request END,
+      created_at, batch_id, octet_length(request::text)
     """
 )
 
@@ -117,14 +121,27 @@ class JobStore:
         self._db = db
 
     def claim_many(
-        self, job_ids: list[str], owner: str, lease_seconds: float, max_attempts: int
+        self,
+        job_ids: list[str],
+        owner: str,
+        lease_seconds: float,
+        max_attempts: int,
+        *,
+        max_request_bytes: int = 2**62,
     ) -> list[Claim]:
         """Take every job among `job_ids` that is queued, or running under an expired
-        lease, and has attempts left; the others belong to someone else or are over."""
+        lease, and has attempts left; the others belong to someone else or are over.
+        A request over `max_request_bytes` is not read (its claim has `request` {} and its
+        size), so a huge one costs the worker no memory."""
+        params = {
+            "ids": job_ids,
+            "owner": owner,
+            "lease": lease_seconds,
+            "max_attempts": max_attempts,
+            "max_request": max_request_bytes,
+        }
         with self._db.session() as s:
-            rows = s.execute(
-                _CLAIM, {"ids": job_ids, "owner": owner, "lease": lease_seconds, "max_attempts": max_attempts}
-            ).all()
+            rows = s.execute(_CLAIM, params).all()
         by_id = {r.id: Claim(r.id, *r[1:]) for r in rows}
         return [by_id[j] for j in job_ids if j in by_id]
 

@@ -9,6 +9,8 @@ refused with a 400 naming it. The refusals say why: most come from what the inst
 from __future__ import annotations
 
 import ipaddress
+import json
+import re
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlparse
@@ -108,6 +110,59 @@ WHY_UNSUPPORTED: dict[str, str] = {
 
 LOGIT_BIAS_RANGE = 100.0
 
+# `chat_template_kwargs` reach `apply_chat_template(**kwargs)` and then the template's render
+# call, so a key there can replace the template, switch tokenization on, pad, truncate, or
+# shadow what the template itself relies on. Only plain template variables pass: a name
+# like an identifier that is none of these (the installed transformers' `apply_chat_template`
+# parameters, what `render_jinja_template` passes, the special tokens it adds, and the
+# globals of its Jinja environment).
+_TEMPLATE_VARIABLE = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}")
+RESERVED_TEMPLATE_KWARGS: frozenset[str] = frozenset(
+    {
+        # apply_chat_template's own parameters
+        "conversation",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "tokenizer",
+        # what render_jinja_template passes and uses
+        "conversations",
+        "messages",
+        "kwargs",
+        # special tokens (kwargs overwrite the tokenizer's)
+        "bos_token",
+        "eos_token",
+        "unk_token",
+        "sep_token",
+        "pad_token",
+        "cls_token",
+        "mask_token",
+        "additional_special_tokens",
+        # globals of the template's Jinja environment
+        "raise_exception",
+        "strftime_now",
+        "range",
+        "dict",
+        "namespace",
+        "lipsum",
+        "cycler",
+        "joiner",
+        "loop",
+        "self",
+        "varargs",
+    }
+)
+
 
 class RequestPolicy:
     """Checks a parsed request against what this deployment runs. Raises, or returns."""
@@ -200,16 +255,40 @@ class RequestPolicy:
             )
         if req.chat_template is not None:
             if not self._settings.allow_custom_chat_template:
-                raise Unsupported(
-                    "`chat_template` is refused by this deployment (LLMQ_ALLOW_CUSTOM_CHAT_TEMPLATE is "
-                    "off): user templates have been a sandbox-escape and resource-bomb route",
-                    param="chat_template",
-                )
+                raise _template_refused("chat_template")
             if len(req.chat_template) > self._settings.max_chat_template_bytes:
                 raise InvalidRequest(
                     f"`chat_template` is over {self._settings.max_chat_template_bytes} bytes",
                     param="chat_template",
                 )
+        if req.chat_template_kwargs:
+            self._check_template_kwargs(req.chat_template_kwargs)
+
+    def _check_template_kwargs(self, kwargs: dict[str, Any]) -> None:
+        for key in kwargs:
+            param = f"chat_template_kwargs.{key}"
+            if key == "chat_template" and not self._settings.allow_custom_chat_template:
+                raise _template_refused(param)
+            if key in RESERVED_TEMPLATE_KWARGS:
+                raise InvalidRequest(
+                    f"`{param}` is refused: `chat_template_kwargs` holds plain template variables; "
+                    f"`{key}` would replace the template or change how it is applied"
+                    + (" (send a template as `chat_template`)" if key == "chat_template" else ""),
+                    param=param,
+                )
+            if not _TEMPLATE_VARIABLE.fullmatch(key):
+                raise InvalidRequest(
+                    f"`chat_template_kwargs` keys are template variable names (a letter, then letters, "
+                    f"digits or `_`, at most 64); got {key[:80]!r}",
+                    param=param[:120],
+                )
+        limit = self._settings.max_chat_template_kwargs_bytes
+        size = len(json.dumps(kwargs, separators=(",", ":")))
+        if size > limit:
+            raise InvalidRequest(
+                f"`chat_template_kwargs` is {size} bytes as JSON; the limit is {limit}",
+                param="chat_template_kwargs",
+            )
 
     def _check_output(self, req: ChatCompletionV2Request) -> None:
         plan = plan_tools(req, auto_parser=self._settings.tool_call_parser)
@@ -262,6 +341,14 @@ class RequestPolicy:
         if self._count_prompt is None or self._max_model_len is None or req.chat_template is not None:
             return
         completion_budget(req, self._count_prompt(req), self._max_model_len)
+
+
+def _template_refused(param: str) -> Unsupported:
+    return Unsupported(
+        f"`{param}` is refused by this deployment (LLMQ_ALLOW_CUSTOM_CHAT_TEMPLATE is "
+        "off): user templates have been a sandbox-escape and resource-bomb route",
+        param=param,
+    )
 
 
 def completion_budget(req: ChatCompletionV2Request, prompt_tokens: int, max_model_len: int) -> int:

@@ -118,6 +118,25 @@ class LineChecker:
         return line.custom_id, text
 
 
+def bounded_lines(stream: IO[bytes], limit: int) -> Iterator[bytes]:
+    """The stream's lines, none read whole past `limit` bytes (a one-line file of 199 MB
+    must not sit in memory to be refused).
+
+    Raises:
+        PayloadTooLarge: naming the first line over `limit` bytes.
+    """
+    number = 0
+    while raw := stream.readline(limit + 2):  # room for the line's own "\r\n"
+        number += 1
+        if len(raw.rstrip(b"\r\n")) > limit:
+            raise PayloadTooLarge(
+                f"line {number} is over {limit} bytes, the limit for one line (LLMQ_MAX_LINE_BYTES)",
+                param="file",
+                code="line_too_large",
+            )
+        yield raw
+
+
 class FileService:
     def __init__(self, db: Database, policy: RequestPolicy, settings: Settings) -> None:
         self._db = db
@@ -150,7 +169,9 @@ class FileService:
                 with conn.cursor().copy(
                     "COPY file_lines (file_id, line_no, custom_id, raw) FROM STDIN"
                 ) as copy:
-                    for number, raw in enumerate(stream, start=1):
+                    for number, raw in enumerate(
+                        bounded_lines(stream, self._settings.max_line_bytes), start=1
+                    ):
                         total += len(raw)
                         if total > self._settings.max_upload_bytes:
                             raise PayloadTooLarge(f"the file is over {self._settings.max_upload_bytes} bytes")

@@ -1,24 +1,26 @@
 """Chat messages → prompt token ids through the model's chat template.
 
 Transformers renders templates in an immutable sandboxed Jinja environment. The model's own
-template runs in-process; a user-supplied `chat_template` (allowed only when the operator
-turns it on) runs in a separate process with a time limit, an address-space limit and an
-output cap, and is killed when it overruns, so a template bomb costs one request, not the
-worker. The worker renders every prompt; the API uses the same renderer to count tokens.
+template over a bounded request runs in-process; anything with user input in the template
+(a user `chat_template`, allowed only when the operator turns it on; user
+`chat_template_kwargs`; a large request) runs in a sandbox process (template_sandbox.py) with a
+time limit, an address-space limit and an output cap, and is killed when it overruns, so a
+template bomb costs one request, not the worker or an API process. The worker renders every
+prompt; the API uses the same renderer to count tokens.
 """
 
 from __future__ import annotations
 
 import json
-import multiprocessing
-import multiprocessing.pool
-import threading
 from dataclasses import dataclass
 from typing import Any
 
 from app.errors import InvalidRequest
 from app.schemas.chat import AssistantMessage, ChatCompletionV2Request, FunctionMessage, TextPart, ToolMessage
+from app.services.template_sandbox import SandboxJob, TemplateSandbox
 from app.services.tools import ToolPlan
+
+__all__ = ["ChatRenderer", "TemplateCall", "TemplateSandbox", "message_text", "template_call"]
 
 # OpenAI's newer name for `system`; most chat templates only know `system`.
 _ROLE_ALIASES = {"developer": "system"}
@@ -104,102 +106,79 @@ def template_call(req: ChatCompletionV2Request, plan: ToolPlan | None = None) ->
 
 
 class ChatRenderer:
-    """Wraps a Hugging Face tokenizer (anything with `apply_chat_template` and `encode`)."""
+    """Wraps a Hugging Face tokenizer (anything with `apply_chat_template` and `encode`).
 
-    def __init__(self, tokenizer: Any, *, sandbox: TemplateSandbox | None = None) -> None:
+    The model's own template with no user `chat_template_kwargs`, over a request of at most
+    `inprocess_max_bytes`, renders in-process: it is trusted and its cost is bounded by the
+    size. Every other render (a user `chat_template`, user kwargs, a large request) goes to
+    the sandbox, with a time limit, when there is one."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        sandbox: TemplateSandbox | None = None,
+        custom_templates: bool | None = None,
+        inprocess_max_bytes: int = 64 * 1024,
+    ) -> None:
         self.tokenizer = tokenizer
         self._sandbox = sandbox
+        self._custom = sandbox is not None if custom_templates is None else custom_templates
+        self._inprocess_max = inprocess_max_bytes
 
     @classmethod
-    def load(cls, model: str, *, sandbox: TemplateSandbox | None = None) -> ChatRenderer:
+    def load(
+        cls,
+        model: str,
+        *,
+        sandbox: TemplateSandbox | None = None,
+        custom_templates: bool | None = None,
+        inprocess_max_bytes: int = 64 * 1024,
+    ) -> ChatRenderer:
         from transformers import AutoTokenizer
 
-        return cls(AutoTokenizer.from_pretrained(model), sandbox=sandbox)
+        return cls(
+            AutoTokenizer.from_pretrained(model),
+            sandbox=sandbox,
+            custom_templates=custom_templates,
+            inprocess_max_bytes=inprocess_max_bytes,
+        )
+
+    def _sandbox_param(self, req: ChatCompletionV2Request, call: TemplateCall) -> str | None:
+        """The field whose input sends this render to the sandbox, or None (in-process)."""
+        if req.chat_template is not None:
+            return "chat_template"
+        if req.chat_template_kwargs:
+            return "chat_template_kwargs"
+        size = len(json.dumps(call.messages, separators=(",", ":")))
+        size += sum(len(json.dumps(call.kwargs.get(k) or [])) for k in ("tools", "documents"))
+        return "messages" if size > self._inprocess_max else None
 
     def render_text(self, req: ChatCompletionV2Request, plan: ToolPlan | None = None) -> str:
+        """The prompt as text, rendered in-process (for callers that trust the request)."""
         call = template_call(req, plan)
         if req.chat_template is not None:
-            if self._sandbox is None:
-                raise InvalidRequest("custom chat templates are not enabled", param="chat_template")
-            return self._sandbox.render(req.chat_template, call)
+            raise InvalidRequest("custom chat templates are not rendered here", param="chat_template")
+        return self._apply(call)
+
+    def _apply(self, call: TemplateCall) -> str:
         try:
             return str(self.tokenizer.apply_chat_template(call.messages, tokenize=False, **call.kwargs))
         except Exception as exc:
             raise InvalidRequest(f"the chat template refused the messages: {exc}", param="messages") from exc
 
     def render(self, req: ChatCompletionV2Request, plan: ToolPlan | None = None) -> list[int]:
-        text = self.render_text(req, plan)
-        return list(self.tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens)))
+        """Prompt token ids.
 
-
-# --- the sandbox process -----------------------------------------------------------------
-
-_tokenizer: Any = None
-
-
-def _sandbox_init(model: str, memory_bytes: int) -> None:
-    import resource
-
-    global _tokenizer
-    resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
-    from transformers import AutoTokenizer
-
-    _tokenizer = AutoTokenizer.from_pretrained(model)
-
-
-def _sandbox_ping() -> bool:
-    return _tokenizer is not None
-
-
-def _sandbox_render(template: str, call: TemplateCall, max_output: int) -> str:
-    text = str(
-        _tokenizer.apply_chat_template(call.messages, chat_template=template, tokenize=False, **call.kwargs)
-    )
-    if len(text) > max_output:
-        raise ValueError(f"rendered prompt is over {max_output} characters")
-    return text
-
-
-class TemplateSandbox:
-    """Renders user templates in a child process; one that overruns its time is killed."""
-
-    def __init__(self, model: str, *, timeout: float, max_output: int, memory_bytes: int = 2 * 2**30) -> None:
-        self._model = model
-        self._timeout = timeout
-        self._max_output = max_output
-        self._memory = memory_bytes
-        self._pool: multiprocessing.pool.Pool | None = None
-        self._lock = threading.Lock()
-
-    def _get_pool(self) -> multiprocessing.pool.Pool:
-        if self._pool is None:
-            ctx = multiprocessing.get_context("spawn")
-            pool = ctx.Pool(1, initializer=_sandbox_init, initargs=(self._model, self._memory))
-            # Start-up (importing transformers) is not the template's time.
-            pool.apply_async(_sandbox_ping).get(120)
-            self._pool = pool
-        return self._pool
-
-    def render(self, template: str, call: TemplateCall) -> str:
-        """Raises:
-        InvalidRequest: the template failed, overran its time, or rendered too much.
+        Raises:
+            InvalidRequest: the template refused the request or overran its time limit.
         """
-        with self._lock:  # one render at a time: a killed pool must not take others with it
-            pool = self._get_pool()
-            pending = pool.apply_async(_sandbox_render, (template, call, self._max_output))
-            try:
-                return str(pending.get(self._timeout))
-            except multiprocessing.TimeoutError as exc:
-                pool.terminate()
-                self._pool = None
-                raise InvalidRequest(
-                    f"`chat_template` did not finish rendering within {self._timeout:g} s",
-                    param="chat_template",
-                ) from exc
-            except Exception as exc:
-                raise InvalidRequest(f"`chat_template` failed: {exc}", param="chat_template") from exc
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.terminate()
-            self._pool = None
+        call = template_call(req, plan)
+        add_special = bool(req.add_special_tokens)
+        if req.chat_template is not None and not (self._custom and self._sandbox is not None):
+            raise InvalidRequest("custom chat templates are not enabled", param="chat_template")
+        param = self._sandbox_param(req, call)
+        if param is not None and self._sandbox is not None:
+            job = SandboxJob(req.chat_template, call.messages, call.kwargs, add_special)
+            return self._sandbox.render(job, param=param)
+        return list(self.tokenizer.encode(self._apply(call), add_special_tokens=add_special))

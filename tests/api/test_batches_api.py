@@ -284,3 +284,25 @@ def test_an_oversized_upload_is_413_with_flat_memory(client: FlaskClient, tenant
     assert r.get_json()["error"]["type"]
     assert grown < 50 * 2**20, grown
     assert file_count(services, name) == 0
+
+
+def test_a_line_over_the_line_limit_refuses_the_upload_by_number(stores) -> None:  # type: ignore[no-untyped-def]
+    """A one-line file of 199 MB was accepted; each line now has a hard cap (LLMQ_MAX_LINE_BYTES)."""
+    from app.api import create_app
+    from app.container import build_services
+    from tests.conftest import make_settings
+
+    settings = make_settings(stores, max_line_bytes=4096)
+    services = build_services(settings, db_pool_size=2)
+    try:
+        client = create_app(settings, services=services).test_client()
+        key = services.keys.create_key("tenant-long-line")
+        data = jsonl([line(1), line(2, messages=[{"role": "user", "content": "x" * 5000}]), line(3)])
+        r = upload(client, key, data)
+        assert r.status_code == 413, r.get_json()
+        error = r.get_json()["error"]
+        assert "line 2" in error["message"] and error["code"] == "line_too_large"
+        assert file_count(services, "tenant-long-line") == 0
+        assert upload(client, key, jsonl([line(1), line(3)])).status_code == 200
+    finally:
+        services.close()

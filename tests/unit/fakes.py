@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime
 from typing import Any
 
@@ -23,7 +24,13 @@ class FakeStore:
         self.handed_back.extend(j for j in job_ids if self.jobs[j]["status"] == "queued")
 
     def claim_many(
-        self, job_ids: list[str], owner: str, lease_seconds: float, max_attempts: int
+        self,
+        job_ids: list[str],
+        owner: str,
+        lease_seconds: float,
+        max_attempts: int,
+        *,
+        max_request_bytes: int = 2**62,
     ) -> list[Claim]:
         claims = []
         for job_id in job_ids:
@@ -31,6 +38,7 @@ class FakeStore:
             if job is None or job["status"] != "queued" or job["attempts"] >= max_attempts:
                 continue
             job.update(status="running", epoch=job["epoch"] + 1, attempts=job["attempts"] + 1, owner=owner)
+            size = len(json.dumps(job["request"]))
             claims.append(
                 Claim(
                     job_id,
@@ -40,9 +48,10 @@ class FakeStore:
                     "m",
                     0,
                     "t",
-                    job["request"],
+                    {} if size > max_request_bytes else job["request"],
                     datetime.now(UTC),
                     None,
+                    size,
                 )
             )
         return claims

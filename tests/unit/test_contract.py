@@ -246,3 +246,55 @@ def test_unknown_model() -> None:
         POLICY.check(req(model="other"))
     assert exc.value.param == "model"
     assert exc.value.code == "model_not_found"
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "chat_template",
+        "tokenize",
+        "tokenizer",
+        "return_dict",
+        "return_tensors",
+        "padding",
+        "truncation",
+        "max_length",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "continue_final_message",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "messages",
+        "eos_token",
+        "raise_exception",
+        "range",
+        "_private",
+        "has space",
+    ],
+)
+def test_template_kwargs_that_change_the_template_or_its_call_are_refused(key: str) -> None:
+    """`chat_template_kwargs` reach `apply_chat_template(**kwargs)`: only plain template
+    variables may pass, or the template refusal is bypassed (issue 9 item 2)."""
+    for policy in (POLICY, RequestPolicy(Settings(allow_custom_chat_template=True), frozenset({"m"}))):
+        with pytest.raises(InvalidRequest) as exc:
+            policy.check(req(chat_template_kwargs={key: "{% for i in range(3000) %}{% endfor %}"}))
+        assert exc.value.status == 400
+        assert exc.value.param == f"chat_template_kwargs.{key}"
+
+
+def test_a_template_in_kwargs_is_refused_like_chat_template() -> None:
+    with pytest.raises(Unsupported) as direct:
+        POLICY.check(req(chat_template="{{ messages }}"))
+    with pytest.raises(Unsupported) as smuggled:
+        POLICY.check(req(chat_template_kwargs={"chat_template": "{{ messages }}"}))
+    assert smuggled.value.message == direct.value.message.replace(
+        "`chat_template`", "`chat_template_kwargs.chat_template`"
+    )
+
+
+def test_plain_template_variables_pass_within_a_size_bound() -> None:
+    POLICY.check(req(chat_template_kwargs={"enable_thinking": False, "persona": {"name": "x", "tags": [1]}}))
+    with pytest.raises(InvalidRequest) as exc:
+        POLICY.check(req(chat_template_kwargs={"notes": "x" * 20_000}))
+    assert exc.value.param == "chat_template_kwargs"

@@ -224,3 +224,76 @@ def test_jobs_in_the_engine_never_exceed_the_workers_capacity(loop: LoopThread) 
     # Single jobs wait for a slot instead of being handed back.
     store.add("job_single", body(max_tokens=2))
     assert runner.run("job_single") == "succeeded"
+
+
+class GatedRenderer(ByteRenderer):
+    """Renders once `gate` opens, recording what it was asked to render."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.rendering = threading.Event()
+        self.seen: list[str] = []
+
+    def render(self, req, plan=None) -> list[int]:  # type: ignore[no-untyped-def]
+        self.rendering.set()
+        self.seen.append(req.messages[0].content[:10])
+        assert self.gate.wait(5)
+        return super().render(req, plan)
+
+
+def runner_with(loop: LoopThread, store: FakeStore, renderer: ByteRenderer, **config) -> JobRunner:  # type: ignore[no-untyped-def]
+    return JobRunner(
+        store,  # type: ignore[arg-type]
+        InstantEngine(),
+        loop,
+        renderer,
+        ResourceSampler(self_pid, None),
+        FakeStreams(),  # type: ignore[arg-type]
+        RunnerConfig(
+            "w1", lease_seconds=30, max_attempts=3, job_timeout_seconds=30, system_fingerprint="fp", **config
+        ),
+    )
+
+
+def test_a_request_over_the_bound_fails_alone_before_it_is_rendered(loop: LoopThread) -> None:
+    store, renderer = FakeStore(), GatedRenderer()
+    renderer.gate.set()
+    store.add("job_big", body(messages=[{"role": "user", "content": "big " * 1000}]))
+    store.add("job_ok", body(max_tokens=2))
+    runner = runner_with(loop, store, renderer, max_request_bytes=2048)
+    assert runner.run_many(["job_big", "job_ok"]) == {"job_big": "failed", "job_ok": "succeeded"}
+    error = store.jobs["job_big"]["error"]["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == "request_too_large"
+    assert store.jobs["job_big"]["attempts"] == 1
+    assert renderer.seen == ["hello"]  # the big one was never rendered
+
+
+def test_a_job_is_in_flight_while_its_prompt_renders(loop: LoopThread) -> None:
+    """In flight means the lease keeper renews its lease: a slow render is not taken over
+    and rendered twice at once (issue 9 item 5)."""
+    store, renderer = FakeStore(), GatedRenderer()
+    store.add("job_1", body(max_tokens=2))
+    runner = runner_with(loop, store, renderer)
+    result: list[str | None] = []
+    t = threading.Thread(target=lambda: result.append(runner.run("job_1")))
+    t.start()
+    assert renderer.rendering.wait(5)
+    assert [i.job_id for i in runner.inflight()] == ["job_1"]
+    renderer.gate.set()
+    t.join(5)
+    assert result == ["succeeded"] and runner.inflight() == []
+
+
+def test_a_cancel_while_rendering_is_not_lost(loop: LoopThread) -> None:
+    store, renderer = FakeStore(), GatedRenderer()
+    store.add("job_1", body(max_tokens=50))
+    runner = runner_with(loop, store, renderer)
+    result: list[str | None] = []
+    t = threading.Thread(target=lambda: result.append(runner.run("job_1")))
+    t.start()
+    assert renderer.rendering.wait(5)
+    assert runner.cancel("job_1")
+    renderer.gate.set()
+    t.join(5)
+    assert result == ["cancelled"]
+    assert store.jobs["job_1"]["usage"]["completion_tokens"] == 0
