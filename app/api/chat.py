@@ -37,11 +37,11 @@ def _reply(result: ChatResult) -> Response | tuple[Response, int]:
 @bp.post("/v1/chat/completions")
 @bp.post("/v2/chat/completions")
 def chat_completions() -> Response | tuple[Response, int]:
-    payload = json_body()
+    payload = json_body(job=True)
     return _reply(services().chat.complete(principal(), payload, idem=idempotency(payload)))
 
 
 @bp.post("/bench/chat/completions")
 def bench_chat_completions() -> Response | tuple[Response, int]:
-    payload = json_body()
+    payload = json_body(job=True)
     return _reply(services().chat.complete(principal(), payload, bench=True, idem=idempotency(payload)))

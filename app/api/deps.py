@@ -33,10 +33,9 @@ def idempotency(payload: Any) -> IdempotencyKey | None:
     return IdempotencyKey.from_header(request.headers.get("Idempotency-Key"), request.path, payload)
 
 
-def json_body() -> Any:
+def json_body(*, job: bool = False) -> Any:
+    """The parsed body. `job`: the body becomes a job's stored request, which the worker
+    will not render past `max_request_bytes`, so it is refused here (413) instead."""
     settings = services().settings
-    return load_json(
-        request.get_data(cache=False),
-        max_bytes=settings.max_body_bytes,
-        max_depth=settings.max_json_depth,
-    )
+    limit = min(settings.max_body_bytes, settings.max_request_bytes) if job else settings.max_body_bytes
+    return load_json(request.get_data(cache=False), max_bytes=limit, max_depth=settings.max_json_depth)

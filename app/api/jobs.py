@@ -14,7 +14,7 @@ bp.before_request(authenticate)
 
 @bp.post("/v2/jobs")
 def submit_job() -> tuple[Response, int]:
-    payload = json_body()
+    payload = json_body(job=True)
     job = services().jobs.submit(principal(), payload, idem=idempotency(payload))
     return jsonify(job.model_dump(mode="json")), 202
 

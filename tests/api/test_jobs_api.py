@@ -94,7 +94,7 @@ def test_other_tenants_ids_are_404(client: FlaskClient, tenant_keys) -> None:
         (body(n=0), "n"),
         (body(n=1000), "n"),
         (body(n=10**9), "n"),
-        (body(messages=[{"role": "user", "content": "x"}] * 100_000), "messages"),
+        (body(messages=[{"role": "user", "content": "x"}] * 2_000), "messages"),
         (body(max_tokens=10**9), "max_tokens"),
         (body(top_logprobs=21), "top_logprobs"),
         (body(use_beam_search=True), "use_beam_search"),
@@ -134,6 +134,17 @@ def test_oversized_body_is_413(client: FlaskClient, tenant_keys, settings) -> No
     huge = json.dumps(body(messages=[{"role": "user", "content": "x" * (settings.max_body_bytes + 10)}]))
     r = client.post("/v2/jobs", data=huge, headers=auth(tenant_keys["a"]), content_type="application/json")
     assert_error(r, 413)
+
+
+def test_a_job_body_over_the_render_bound_is_413(client: FlaskClient, tenant_keys, settings) -> None:
+    """Between `max_request_bytes` and `max_body_bytes` a body would be stored and then fail
+    in the worker; a single job is refused up front instead (a batch line fails alone)."""
+    assert settings.max_request_bytes < settings.max_body_bytes
+    size = settings.max_request_bytes + 10
+    big = json.dumps(body(messages=[{"role": "user", "content": "x" * size}]))
+    for path in ("/v2/jobs", "/v1/chat/completions"):
+        r = client.post(path, data=big, headers=auth(tenant_keys["a"]), content_type="application/json")
+        assert f"limit is {settings.max_request_bytes} bytes" in assert_error(r, 413)["message"]
 
 
 def test_deep_nesting_is_400(client: FlaskClient, tenant_keys) -> None:
