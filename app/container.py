@@ -23,6 +23,7 @@ from app.services.jobs import JobService
 from app.services.keys import KeyService
 from app.services.limits import RateLimiter
 from app.services.metrics import MetricsService
+from app.services.sandbox import ConstraintSandbox
 from app.services.streaming import Notifier, StreamService
 from app.settings import Settings
 
@@ -77,6 +78,17 @@ def prompt_counter(settings: Settings) -> tuple[Callable[[ChatCompletionV2Reques
     return count, int(context) if context else None
 
 
+def model_vocab_size(settings: Settings) -> int | None:
+    """The model's vocabulary size (the logits' width, what vLLM checks token ids against),
+    when the model is a local folder."""
+    config = Path(settings.model) / "config.json" if settings.model else None
+    if config is None or not config.is_file():
+        return None
+    data = json.loads(config.read_text())
+    size = data.get("vocab_size") or (data.get("text_config") or {}).get("vocab_size")
+    return int(size) if size else None
+
+
 def build_services(settings: Settings, *, db_pool_size: int = 10) -> Services:
     db = Database.from_url(settings.require_database_url(), pool_size=db_pool_size)
     redis = redis_client(settings.require_redis_url())
@@ -85,7 +97,14 @@ def build_services(settings: Settings, *, db_pool_size: int = 10) -> Services:
     served = frozenset({settings.model_name})
     keys = KeyService(db)
     count, context = prompt_counter(settings)
-    policy = RequestPolicy(settings, served, count_prompt=count, max_model_len=context)
+    policy = RequestPolicy(
+        settings,
+        served,
+        count_prompt=count,
+        max_model_len=context,
+        vocab_size=model_vocab_size(settings),
+        constraints=ConstraintSandbox.of(settings),
+    )
     locks = IdempotencyLocks(redis)
     jobs = JobService(
         db,

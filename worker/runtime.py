@@ -18,6 +18,7 @@ from app.db import Database
 from app.events import JobEvents
 from app.queue import JobQueue, create_producer
 from app.services.batch_lifecycle import BatchLifecycle
+from app.services.sandbox import ConstraintSandbox
 from app.settings import Settings
 from worker.batches import BatchScheduler
 from worker.control import CancelListener, LeaseKeeper, RegistryHeartbeat
@@ -129,6 +130,7 @@ class WorkerRuntime:
                 system_fingerprint=model_fingerprint(engine, settings.model),
                 tool_parser=settings.tool_call_parser,
             ),
+            constraints=ConstraintSandbox.of(settings),
         )
         self.sweeper = Sweeper(
             self.db,
