@@ -231,7 +231,7 @@ class JobRunner:
         }
         run = Run(claim, self._streams.open(job_id, claim.epoch, header), ctx)
         try:
-            run.tr = translate(
+            tr = translate(
                 claim.request,
                 request_id=f"{job_id}-{claim.epoch}",
                 kind=claim.kind,
@@ -239,10 +239,13 @@ class JobRunner:
                 max_model_len=self._engine.max_model_len(),
                 tool_parser=self._config.tool_parser,
             )
-            if run.tr.constraint is not None:
-                run.constraint_key = run.tr.constraint.key("")
+            if tr.constraint is not None:
+                # Never compiled here first: a constraint that crashes the compiler is a
+                # 400 for this job, not the end of this worker and every job in it.
+                run.constraint_key = tr.constraint.key("")
                 if self._constraints is not None:
-                    self._constraints.check(run.tr.constraint)
+                    self._constraints.check(tr.constraint)
+            run.tr = tr
         except LlmqError as exc:
             run.result = self._failed(run, exc.body())
             return run

@@ -177,9 +177,10 @@ def check_limits(found: Constraint, plan: ToolPlan, limits: ConstraintLimits) ->
                 param=found.param,
             )
         for i, choice in enumerate(choices):
-            if len(choice.encode("utf-8", "surrogatepass")) > limits.max_choice_bytes:
+            size = len(choice.encode("utf-8", "surrogatepass"))
+            if size > limits.max_choice_bytes:
                 raise InvalidRequest(
-                    f"`{found.param}[{i}]` is over {limits.max_choice_bytes} bytes",
+                    f"`{found.param}[{i}]` is {size} bytes; the limit is {limits.max_choice_bytes}",
                     param=f"{found.param}[{i}]",
                 )
     elif "json" in kw:
@@ -189,10 +190,10 @@ def check_limits(found: Constraint, plan: ToolPlan, limits: ConstraintLimits) ->
                 _check_schema(schema, param, limits)
 
 
-def _check_regex(regex: str, param: str, limits: ConstraintLimits) -> None:
+def _check_regex(regex: str, param: str, limits: ConstraintLimits, where: str = "") -> None:
     if len(regex) > limits.max_regex_length:
         raise InvalidRequest(
-            f"`{param}` is a regex of {len(regex)} characters; the limit is {limits.max_regex_length}",
+            f"`{param}`{where} is a regex of {len(regex)} characters; the limit is {limits.max_regex_length}",
             param=param,
         )
 
@@ -212,7 +213,7 @@ def _check_schema(schema: Any, param: str, limits: ConstraintLimits) -> None:
         if isinstance(ref, str):
             refs.append((ref, node))
         for key, value in _patterns(node):
-            _check_regex(value, f"{param} ({key})", limits)
+            _check_regex(value, param, limits, f" has a `{key}` that")
     if len(refs) > limits.max_schema_refs:
         raise InvalidRequest(
             f"`{param}` has {len(refs)} `$ref`s; the limit is {limits.max_schema_refs}", param=param
