@@ -21,13 +21,11 @@ import queue
 import select
 import subprocess
 import sys
-import threading
 import time
-from collections import OrderedDict
 from pathlib import Path
 
 from app.errors import InvalidRequest
-from app.services.structured import Constraint
+from app.services.structured import Constraint, Lru
 from app.settings import Settings
 
 log = logging.getLogger("llmq.sandbox")
@@ -115,9 +113,7 @@ class ConstraintSandbox:
         self._idle: queue.Queue[_Child | None] = queue.Queue()
         for _ in range(processes):
             self._idle.put(None)  # started on first use
-        self._cache: OrderedDict[str, str | None] = OrderedDict()
-        self._cache_size = cache_size
-        self._lock = threading.Lock()
+        self._cache: Lru[str, str] = Lru(cache_size)  # "" when it compiled
         self._unavailable: str | None = None
         self.compiles = 0  # verdicts that needed a child (not from the cache)
 
@@ -137,20 +133,13 @@ class ConstraintSandbox:
         if "json_object" in found.kwargs:
             return  # a fixed schema: nothing of the user's reaches the compiler
         key = found.key(self.backend)
-        with self._lock:
-            if key in self._cache:
-                self._cache.move_to_end(key)
-                error = self._cache[key]
-            else:
-                error = "?"
-        if error == "?":
-            error = self._compile(found)
+        verdict = self._cache.get(key)
+        if verdict is None:
+            verdict = self._compile(found) or ""
             if self._unavailable is not None:
                 return
-            with self._lock:
-                self._cache[key] = error
-                while len(self._cache) > self._cache_size:
-                    self._cache.popitem(last=False)
+            self._cache.put(key, verdict)
+        error = verdict or None
         if error is not None:
             raise InvalidRequest(
                 f"`{found.param}` cannot be used as an output constraint: {error}", param=found.param

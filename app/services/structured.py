@@ -16,8 +16,10 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from app.errors import InvalidRequest
 from app.schemas.chat import ChatCompletionV2Request, ResponseFormatJsonObject, ResponseFormatJsonSchema
@@ -27,15 +29,56 @@ from app.settings import Settings
 
 @dataclass(frozen=True)
 class Constraint:
-    """The structured-outputs keyword arguments and the request field they came from."""
+    """The structured-outputs keyword arguments (rewritten for the engine), the request
+    field they came from, and a hash of the constraint as the request sent it."""
 
     param: str
     kwargs: dict[str, Any]
+    digest: str = ""
 
     def key(self, backend: str) -> str:
         """A hash of (backend, constraint): what a compile verdict is cached under."""
-        text = json.dumps([backend, self.kwargs], sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-        return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+        digest = self.digest or _digest(self.kwargs)
+        return hashlib.sha256(f"{backend}\0{digest}".encode()).hexdigest()
+
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+class Lru(Generic[K, V]):
+    """A small thread-safe LRU map: per-process caches keyed by a constraint's hash, so a
+    batch whose lines share one schema pays for it once."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._items: OrderedDict[K, V] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: K) -> V | None:
+        with self._lock:
+            value = self._items.get(key)
+            if value is not None:
+                self._items.move_to_end(key)
+            return value
+
+    def put(self, key: K, value: V) -> None:
+        with self._lock:
+            self._items[key] = value
+            self._items.move_to_end(key)
+            while len(self._items) > self._size:
+                self._items.popitem(last=False)
+
+
+def _digest(kwargs: dict[str, Any]) -> str:
+    text = json.dumps(kwargs, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+# The ASCII rewrite of a constraint, by its digest (the rewrite walks the whole schema).
+_REWRITTEN: Lru[str, dict[str, Any]] = Lru(1024)
+# Bound verdicts (None: within bounds), by (digest, field, limits).
+_WITHIN: Lru[tuple[str, str, ConstraintLimits], tuple[str, str]] = Lru(1024)
 
 
 def constraint(req: ChatCompletionV2Request, plan: ToolPlan) -> dict[str, Any] | None:
@@ -85,11 +128,16 @@ def constraint_of(req: ChatCompletionV2Request, plan: ToolPlan) -> Constraint | 
     if not found:
         return None
     _, param, kwargs = found[0]
-    if "regex" in kwargs:
-        kwargs = {"regex": ascii_classes(kwargs["regex"], param)}
-    elif "json" in kwargs:
-        kwargs = {"json": ascii_schema_patterns(kwargs["json"], param)}
-    return Constraint(param, kwargs)
+    digest = _digest(kwargs)
+    rewritten = _REWRITTEN.get(digest)
+    if rewritten is None:
+        rewritten = kwargs
+        if "regex" in kwargs:
+            rewritten = {"regex": ascii_classes(kwargs["regex"], param)}
+        elif "json" in kwargs:
+            rewritten = {"json": ascii_schema_patterns(kwargs["json"], param)}
+        _REWRITTEN.put(digest, rewritten)
+    return Constraint(param, rewritten, digest)
 
 
 def _tool_param(plan: ToolPlan) -> str:
@@ -153,6 +201,21 @@ _DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples", "example"})
 
 def check_limits(found: Constraint, plan: ToolPlan, limits: ConstraintLimits) -> None:
     """Raises InvalidRequest, naming the field and the bound, when a constraint is over one."""
+    key = (found.digest, found.param, limits)
+    verdict = _WITHIN.get(key) if found.digest else None
+    if verdict is None:
+        try:
+            _check_limits(found, plan, limits)
+            verdict = ("", "")
+        except InvalidRequest as exc:
+            verdict = (exc.message, exc.param or found.param)
+        if found.digest:
+            _WITHIN.put(key, verdict)
+    if verdict[0]:
+        raise InvalidRequest(verdict[0], param=verdict[1])
+
+
+def _check_limits(found: Constraint, plan: ToolPlan, limits: ConstraintLimits) -> None:
     kw = found.kwargs
     if "regex" in kw:
         _check_regex(kw["regex"], found.param, limits)

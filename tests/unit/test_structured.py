@@ -358,3 +358,19 @@ def test_policy_compiles_in_the_sandbox_before_queuing(sandbox: ConstraintSandbo
         policy.check(req(guided_regex="(unclosed"))
     assert exc.value.param == "guided_regex"
     policy.check(req(guided_regex=r"\d{4}-\d{2}-\d{2}"))
+
+
+def test_a_shared_schema_is_rewritten_and_bounded_once_per_process() -> None:
+    from app.services.structured import ConstraintLimits, check_limits, constraint_of
+
+    props = {f"f{i}": {"type": "string", "pattern": r"^\d+$"} for i in range(300)}
+    lines = [req(guided_json={"type": "object", "properties": props}) for _ in range(2)]
+    first, second = (constraint_of(r, plan_tools(r, auto_parser=None)) for r in lines)
+    assert first is not None and second is not None
+    assert first.digest == second.digest and first.kwargs is second.kwargs  # one rewrite
+    limits = ConstraintLimits.of(Settings())
+    check_limits(first, plan_tools(lines[0], auto_parser=None), limits)
+    started = time.monotonic()
+    for _ in range(2000):
+        check_limits(second, plan_tools(lines[1], auto_parser=None), limits)
+    assert time.monotonic() - started < 2  # a cache hit, not a walk of the schema
