@@ -116,3 +116,19 @@ def test_backslash_d_means_ascii_digits_over_200_seeds(stack: Stack) -> None:
             bad.append(("json", job["status"], text))
     assert not bad, bad[:10]
     assert time.monotonic() - started < 120
+
+
+def test_out_of_vocabulary_ids_past_the_api_fail_the_job_as_a_400(stack: Stack, services) -> None:
+    """Where the API does not know the vocabulary, the engine's refusal is the job's 400."""
+    jobs = {
+        submit_unchecked(services, stack, body(stack, max_tokens=4, logit_bias={"5000": 1})): "logit_bias",
+        submit_unchecked(services, stack, body(stack, max_tokens=4, stop_token_ids=[5000])): "stop_token_ids",
+    }
+    with stack.client() as client:
+        done = wait_for(client, list(jobs), timeout=60)
+    for job_id, param in jobs.items():
+        job = done[job_id]
+        assert job["status"] == "failed" and job["attempts"] == 1, job
+        assert job["error"]["type"] == "invalid_request_error" and job["error"]["param"] == param, job[
+            "error"
+        ]
