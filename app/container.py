@@ -44,6 +44,7 @@ class Services:
     health: HealthService
     metrics: MetricsService
     limiter: RateLimiter
+    constraints: ConstraintSandbox | None = None
 
     @property
     def served_models(self) -> frozenset[str]:
@@ -52,6 +53,8 @@ class Services:
     def close(self) -> None:
         self.db.dispose()
         self.redis.close()
+        if self.constraints is not None:
+            self.constraints.close()
 
 
 def redis_client(url: str) -> Redis[bytes]:
@@ -97,13 +100,14 @@ def build_services(settings: Settings, *, db_pool_size: int = 10) -> Services:
     served = frozenset({settings.model_name})
     keys = KeyService(db)
     count, context = prompt_counter(settings)
+    constraints = ConstraintSandbox.of(settings)
     policy = RequestPolicy(
         settings,
         served,
         count_prompt=count,
         max_model_len=context,
         vocab_size=model_vocab_size(settings),
-        constraints=ConstraintSandbox.of(settings),
+        constraints=constraints,
     )
     locks = IdempotencyLocks(redis)
     jobs = JobService(
@@ -136,4 +140,5 @@ def build_services(settings: Settings, *, db_pool_size: int = 10) -> Services:
         limiter=RateLimiter(
             redis, per_minute=settings.rate_limit_per_minute, burst=settings.rate_limit_burst
         ),
+        constraints=constraints,
     )

@@ -115,6 +115,7 @@ class WorkerRuntime:
         self.loop = LoopThread()
         self.sampler = ResourceSampler(self._pids, find_power_sensor(self._pids))
         self.streams = StreamPublisher(self.redis)
+        self.constraints = ConstraintSandbox.of(settings)
         self.runner = JobRunner(
             self.store,
             engine,
@@ -130,7 +131,7 @@ class WorkerRuntime:
                 system_fingerprint=model_fingerprint(engine, settings.model),
                 tool_parser=settings.tool_call_parser,
             ),
-            constraints=ConstraintSandbox.of(settings),
+            constraints=self.constraints,
         )
         self.sweeper = Sweeper(
             self.db,
@@ -214,6 +215,7 @@ class WorkerRuntime:
             self.streams,
         ):
             part.stop()
+        self.constraints.close()
         try:
             self.loop.call(self.engine.close(), timeout=30)
         except Exception as exc:  # noqa: BLE001 - shutting down anyway
