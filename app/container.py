@@ -24,6 +24,7 @@ from app.services.jobs import JobService
 from app.services.keys import KeyService
 from app.services.limits import RateLimiter
 from app.services.metrics import MetricsService
+from app.services.sandbox import ConstraintSandbox
 from app.services.streaming import Notifier, StreamService
 from app.settings import Settings
 
@@ -47,6 +48,7 @@ class Services:
     health: HealthService
     metrics: MetricsService
     limiter: RateLimiter
+    constraints: ConstraintSandbox | None = None
 
     @property
     def served_models(self) -> frozenset[str]:
@@ -55,6 +57,8 @@ class Services:
     def close(self) -> None:
         self.db.dispose()
         self.redis.close()
+        if self.constraints is not None:
+            self.constraints.close()
 
 
 def redis_client(url: str) -> Redis[bytes]:
@@ -100,6 +104,17 @@ def template_sandbox(settings: Settings, model: str, *, wait_seconds: float | No
     )
 
 
+def model_vocab_size(settings: Settings) -> int | None:
+    """The model's vocabulary size (the logits' width, what vLLM checks token ids against),
+    when the model is a local folder."""
+    config = Path(settings.model) / "config.json" if settings.model else None
+    if config is None or not config.is_file():
+        return None
+    data = json.loads(config.read_text())
+    size = data.get("vocab_size") or (data.get("text_config") or {}).get("vocab_size")
+    return int(size) if size else None
+
+
 def build_services(settings: Settings, *, db_pool_size: int = 10) -> Services:
     db = Database.from_url(settings.require_database_url(), pool_size=db_pool_size)
     redis = redis_client(settings.require_redis_url())
@@ -108,7 +123,15 @@ def build_services(settings: Settings, *, db_pool_size: int = 10) -> Services:
     served = frozenset({settings.model_name})
     keys = KeyService(db)
     count, context = prompt_counter(settings)
-    policy = RequestPolicy(settings, served, count_prompt=count, max_model_len=context)
+    constraints = ConstraintSandbox.of(settings)
+    policy = RequestPolicy(
+        settings,
+        served,
+        count_prompt=count,
+        max_model_len=context,
+        vocab_size=model_vocab_size(settings),
+        constraints=constraints,
+    )
     locks = IdempotencyLocks(redis)
     jobs = JobService(
         db,
@@ -144,4 +167,5 @@ def build_services(settings: Settings, *, db_pool_size: int = 10) -> Services:
         limiter=RateLimiter(
             redis, per_minute=settings.rate_limit_per_minute, burst=settings.rate_limit_burst
         ),
+        constraints=constraints,
     )

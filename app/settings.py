@@ -70,6 +70,34 @@ class Settings(BaseSettings):
     )
     max_stop_sequences: int = 4
 
+    # Structured outputs: what a constraint may cost, checked before anything is queued,
+    # and the sandbox processes that compile each one (see app/services/sandbox.py).
+    max_schema_bytes: int = Field(
+        default=64 * 1024, ge=256, description="Bytes of one JSON schema or `guided_grammar`."
+    )
+    max_schema_refs: int = Field(default=256, ge=1, description="`$ref`s in one JSON schema.")
+    max_schema_ref_depth: int = Field(
+        default=64, ge=1, description="Longest chain of `$ref`s followed one inside another."
+    )
+    max_grammar_rules: int = Field(default=1000, ge=1, description="Rules in one `guided_grammar`.")
+    max_regex_length: int = Field(
+        default=4096, ge=16, description="Characters of `guided_regex` or one schema `pattern`."
+    )
+    max_choices: int = Field(default=1000, ge=1, description="Entries of `guided_choice`.")
+    max_choice_bytes: int = Field(default=4096, ge=1, description="Bytes of one `guided_choice` entry.")
+    constraint_sandbox_processes: int = Field(
+        default=2, ge=1, description="Sandbox processes per API/worker process that compile constraints."
+    )
+    constraint_compile_timeout_seconds: float = Field(
+        default=5.0, gt=0, description="Time one constraint may take to compile in the sandbox."
+    )
+    constraint_compile_memory_mib: int = Field(
+        default=1024, ge=64, description="Address space a sandbox compile may add (RLIMIT_AS)."
+    )
+    constraint_cache_size: int = Field(
+        default=4096, ge=1, description="Compile verdicts cached per process, by (backend, constraint)."
+    )
+
     # Batches.
     max_upload_bytes: int = Field(default=200 * 1024 * 1024, ge=1024)
     max_line_bytes: int = Field(

@@ -23,6 +23,15 @@ class PromptTooLong(Exception):
     """The prompt does not fit the model's context; the job fails with a 400."""
 
 
+class RequestRejected(Exception):
+    """The engine refused the request's parameters (an out-of-vocabulary token id, ...);
+    the job fails with a 400 naming `param`."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass(frozen=True)
 class GenerationSpec:
     """One request, translated: token ids in, vLLM `SamplingParams` keyword arguments."""

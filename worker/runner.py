@@ -17,8 +17,9 @@ from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError, SQLAlch
 
 from app.errors import InvalidRequest, LlmqError
 from app.models import JobStatus
+from app.services.contract import ConstraintChecker
 from app.services.tools import call_id
-from worker.engine import Engine, EngineDead, EngineUpdate, PromptTooLong
+from worker.engine import Engine, EngineDead, EngineUpdate, PromptTooLong, RequestRejected
 from worker.loop import LoopThread
 from worker.response import ChoiceState, build_completion, build_usage, completion_id, finalize
 from worker.slots import JobSlots
@@ -114,6 +115,7 @@ class Run:
     outcome: Outcome | None = None
     result: Result | None = None
     handed_back: bool = False
+    constraint_key: str | None = None  # set when the job has a structured-output constraint
 
 
 def _error(message: str, kind: str, code: str | None = None, param: str | None = None) -> dict[str, Any]:
@@ -130,6 +132,7 @@ class JobRunner:
         sampler: ResourceSampler,
         streams: StreamPublisher,
         config: RunnerConfig,
+        constraints: ConstraintChecker | None = None,
     ) -> None:
         self._store = store
         self._engine = engine
@@ -141,6 +144,10 @@ class JobRunner:
         self._inflight: dict[str, Inflight] = {}
         self._lock = threading.Lock()
         self._slots = JobSlots(config.max_inflight) if config.max_inflight else None
+        # Untrusted constraints are compiled in a sandbox before the engine sees them.
+        self._constraints = constraints
+        # Constraints that have produced a token in this engine: not suspects when it dies.
+        self._proven: set[str] = set()
         self.engine_dead = threading.Event()
 
     # --- control from other threads -------------------------------------------------
@@ -266,7 +273,7 @@ class JobRunner:
             run.result = self._failed(run, too_large.body())
             return run
         try:
-            run.tr = translate(
+            tr = translate(
                 claim.request,
                 request_id=f"{job_id}-{claim.epoch}",
                 kind=claim.kind,
@@ -275,6 +282,13 @@ class JobRunner:
                 tool_parser=self._config.tool_parser,
                 priority=claim.priority,
             )
+            if tr.constraint is not None:
+                # Never compiled here first: a constraint that crashes the compiler is a
+                # 400 for this job, not the end of this worker and every job in it.
+                run.constraint_key = tr.constraint.key("")
+                if self._constraints is not None:
+                    self._constraints.check(tr.constraint)
+            run.tr = tr
         except LlmqError as exc:
             run.result = self._failed(run, exc.body())
             return run
@@ -296,6 +310,8 @@ class JobRunner:
             async for update in self._engine.generate(run.tr.spec):  # type: ignore[union-attr]
                 outcome.add(update)
                 stream.add(update)
+                if run.constraint_key is not None and outcome.first_token is not None:
+                    self._proven.add(run.constraint_key)
 
         try:
             await asyncio.wait_for(generate(), self._config.job_timeout_seconds)
@@ -309,7 +325,18 @@ class JobRunner:
         """Turn what happened to one run into the result to write (or none)."""
         assert run.item is not None and run.outcome is not None
         error = run.outcome.error
-        if isinstance(error, EngineDead) or run.item.released:
+        if isinstance(error, EngineDead) and self._suspect(run):
+            # A constraint the engine never ran before may be what killed it: fail it alone,
+            # at once, rather than retry it into every other tenant's jobs.
+            assert run.tr is not None and run.tr.constraint is not None
+            log.warning("engine died with an untried constraint in flight; failing it", extra=run.ctx)
+            message = (
+                "the engine died while this job's output constraint, never run in it before, was in "
+                "flight; it is not retried, as it may be what killed the engine"
+            )
+            body = InvalidRequest(message, param=run.tr.constraint.param, code="constraint_suspected").body()
+            run.result = self._failed(run, body)
+        elif isinstance(error, EngineDead) or run.item.released:
             run.handed_back = True
             run.result = Result(run.claim.job_id, run.claim.epoch, JobStatus.QUEUED.value)
         elif run.item.lost:
@@ -323,11 +350,18 @@ class JobRunner:
         elif isinstance(error, PromptTooLong):
             body = InvalidRequest(str(error), param="messages", code="context_length_exceeded").body()
             run.result = self._failed(run, body)
+        elif isinstance(error, RequestRejected):
+            run.result = self._failed(run, InvalidRequest(str(error), param=error.param).body())
         elif error is not None:
             log.error("engine error", extra={**run.ctx, "error": f"{type(error).__name__}: {error}"})
             run.result = self._failed(run, _error(f"engine error: {error}", "engine_error"))
         else:
             run.result = self._succeeded(run)
+
+    def _suspect(self, run: Run) -> bool:
+        """The job's constraint had not produced a token in this engine."""
+        key = run.constraint_key
+        return key is not None and key not in self._proven
 
     def _succeeded(self, run: Run) -> Result:
         claim, tr, outcome, item = run.claim, run.tr, run.outcome, run.item

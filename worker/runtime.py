@@ -19,6 +19,7 @@ from app.events import JobEvents
 from app.queue import JobQueue, create_producer
 from app.services.batch_lifecycle import BatchLifecycle
 from app.services.health import live_capacity
+from app.services.sandbox import ConstraintSandbox
 from app.settings import Settings
 from worker.batches import BatchScheduler
 from worker.control import CancelListener, LeaseKeeper, RegistryHeartbeat
@@ -116,6 +117,7 @@ class WorkerRuntime:
         self.loop = LoopThread()
         self.sampler = ResourceSampler(self._pids, find_power_sensor(self._pids))
         self.streams = StreamPublisher(self.redis)
+        self.constraints = ConstraintSandbox.of(settings)
         self.runner = JobRunner(
             self.store,
             engine,
@@ -133,6 +135,7 @@ class WorkerRuntime:
                 max_inflight=settings.inflight_limit,
                 max_request_bytes=settings.max_request_bytes,
             ),
+            constraints=self.constraints,
         )
         self.sweeper = Sweeper(
             self.db,
@@ -217,6 +220,7 @@ class WorkerRuntime:
             self.streams,
         ):
             part.stop()
+        self.constraints.close()
         try:
             self.loop.call(self.engine.close(), timeout=30)
         except Exception as exc:  # noqa: BLE001 - shutting down anyway

@@ -12,7 +12,7 @@ from app.schemas.chat import AssistantMessage, ChatCompletionV2Request
 from app.services.contract import completion_budget
 from app.services.priority import clamp
 from app.services.prompts import message_text
-from app.services.structured import constraint
+from app.services.structured import Constraint, constraint_of
 from app.services.tools import ToolPlan, plan_tools
 from worker.engine import GenerationSpec
 
@@ -28,6 +28,7 @@ class Translation:
     tools: ToolPlan
     echo: str  # text the answer starts with (`echo` of a final assistant message)
     top_logprobs: int | None  # alternatives per token when logprobs were asked for
+    constraint: Constraint | None = None  # the structured-output constraint, if any
 
     @property
     def logprobs(self) -> bool:
@@ -108,7 +109,8 @@ def translate(
     """
     req = ChatCompletionV2Request.model_validate(request)
     plan = plan_tools(req, auto_parser=tool_parser)
-    structured = constraint(req, plan)
+    found = constraint_of(req, plan)
+    structured = found.kwargs if found is not None else None
     prompt = renderer.render(req, plan)
     max_tokens = completion_budget(req, len(prompt), max_model_len)
     spec = GenerationSpec(
@@ -127,4 +129,5 @@ def translate(
         tools=plan,
         echo=echo_prefix(req),
         top_logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+        constraint=found,
     )

@@ -17,7 +17,15 @@ from typing import Any
 import psutil
 
 from app.settings import Settings
-from worker.engine import ChoiceDelta, EngineDead, EngineUpdate, GenerationSpec, PromptTooLong, TokenLogprob
+from worker.engine import (
+    ChoiceDelta,
+    EngineDead,
+    EngineUpdate,
+    GenerationSpec,
+    PromptTooLong,
+    RequestRejected,
+    TokenLogprob,
+)
 
 log = logging.getLogger("llmq.engine")
 
@@ -81,14 +89,14 @@ class VllmEngine:
 
         sampling = dict(spec.sampling)
         structured = sampling.pop("structured_outputs", None)
-        params = SamplingParams(
-            **sampling,
-            structured_outputs=StructuredOutputsParams(**structured) if structured else None,
-            output_kind=RequestOutputKind.DELTA,
-        )
         prompt = TokensPrompt(prompt_token_ids=spec.prompt_token_ids)
         top = sampling.get("logprobs")
         try:
+            params = SamplingParams(
+                **sampling,
+                structured_outputs=StructuredOutputsParams(**structured) if structured else None,
+                output_kind=RequestOutputKind.DELTA,
+            )
             async for out in self._llm.generate(
                 prompt, params, spec.request_id, priority=spec.priority if self._priority_scheduling else 0
             ):
@@ -103,7 +111,8 @@ class VllmEngine:
         except VLLMValidationError as exc:
             if getattr(exc, "parameter", None) == "input_tokens" or "context length" in str(exc):
                 raise PromptTooLong(str(exc)) from exc
-            raise
+            # The request's own fault (out-of-vocabulary token ids, ...): a 400, not an engine error.
+            raise RequestRejected(str(exc), getattr(exc, "parameter", None)) from exc
 
     async def abort(self, request_id: str) -> None:
         if self._llm is not None:

@@ -12,12 +12,12 @@ import ipaddress
 import json
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlparse
 
 from app.errors import InvalidRequest, NotFound, Unsupported
 from app.schemas.chat import ChatCompletionV2Request, ImagePart, TextPart
-from app.services.structured import constraint
+from app.services.structured import Constraint, ConstraintLimits, check_limits, constraint_of
 from app.services.tools import plan_tools
 from app.settings import Settings
 
@@ -164,6 +164,12 @@ RESERVED_TEMPLATE_KWARGS: frozenset[str] = frozenset(
 )
 
 
+class ConstraintChecker(Protocol):
+    """Compiles a constraint where a crash costs nothing (`app.services.sandbox`)."""
+
+    def check(self, found: Constraint) -> None: ...
+
+
 class RequestPolicy:
     """Checks a parsed request against what this deployment runs. Raises, or returns."""
 
@@ -174,11 +180,16 @@ class RequestPolicy:
         *,
         count_prompt: Callable[[ChatCompletionV2Request], int] | None = None,
         max_model_len: int | None = None,
+        vocab_size: int | None = None,
+        constraints: ConstraintChecker | None = None,
     ) -> None:
         self._settings = settings
         self._served = served_models
         self._count_prompt = count_prompt
         self._max_model_len = max_model_len
+        self._vocab_size = vocab_size
+        self._limits = ConstraintLimits.of(settings)
+        self._constraints = constraints
 
     def check(
         self, req: ChatCompletionV2Request, *, streaming: bool = False, count_tokens: bool = True
@@ -240,6 +251,21 @@ class RequestPolicy:
                 raise InvalidRequest(f"`logit_bias` keys are token ids; got {token!r}", param="logit_bias")
             if not -LOGIT_BIAS_RANGE <= bias <= LOGIT_BIAS_RANGE:
                 raise InvalidRequest("`logit_bias` values must be between -100 and 100", param="logit_bias")
+        vocab = self._vocab_size
+        if vocab is not None:
+            outside = [int(t) for t in req.logit_bias or {} if int(t) >= vocab]
+            if outside:
+                raise InvalidRequest(
+                    f"`logit_bias` has token ids outside the vocabulary ({vocab} tokens): {outside[:8]}",
+                    param="logit_bias",
+                )
+        outside = [t for t in req.stop_token_ids or [] if t < 0 or (vocab is not None and t >= vocab)]
+        if outside:
+            raise InvalidRequest(
+                f"`stop_token_ids` has token ids outside the vocabulary"
+                f"{f' ({vocab} tokens)' if vocab is not None else ''}: {outside[:8]}",
+                param="stop_token_ids",
+            )
         if (
             req.min_tokens is not None
             and (limit := req.completion_limit()) is not None
@@ -292,7 +318,7 @@ class RequestPolicy:
 
     def _check_output(self, req: ChatCompletionV2Request) -> None:
         plan = plan_tools(req, auto_parser=self._settings.tool_call_parser)
-        constraint(req, plan)
+        found = constraint_of(req, plan)
         backend = req.guided_decoding_backend
         if backend is not None and backend != self._settings.structured_output_backend:
             raise Unsupported(
@@ -301,6 +327,10 @@ class RequestPolicy:
                 "per engine); leave it out or send that value",
                 param="guided_decoding_backend",
             )
+        if found is not None:
+            check_limits(found, plan, self._limits)
+            if self._constraints is not None:
+                self._constraints.check(found)
 
     def _check_bounds(self, req: ChatCompletionV2Request) -> None:
         s = self._settings

@@ -101,3 +101,32 @@ class FakeStreams:
         return [
             (j, e["status"]) for j, events in self.shipped.items() for e in events if e.get("type") == "end"
         ]
+
+
+class DyingEngine:
+    """An engine whose core dies when it is given a request `kills` picks (as a constraint
+    that segfaults the structured-output compiler in the engine core would): every request
+    in flight then ends with `EngineDead`. Until then it answers like `InstantEngine`, one
+    token every `delay` seconds."""
+
+    def __init__(self, kills: Any = lambda spec: False, *, delay: float = 0.01) -> None:
+        from worker.engine import InstantEngine
+
+        self._inner = InstantEngine(delay=delay)
+        self.kills = kills
+        self.dead = False
+        self.name, self.version = "dying", "0"
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    async def generate(self, spec: Any) -> Any:
+        from worker.engine import EngineDead
+
+        if self.dead or self.kills(spec):
+            self.dead = True
+            raise EngineDead("engine core died")
+        async for update in self._inner.generate(spec):
+            if self.dead:
+                raise EngineDead("engine core died")
+            yield update

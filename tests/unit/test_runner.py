@@ -297,3 +297,99 @@ def test_a_cancel_while_rendering_is_not_lost(loop: LoopThread) -> None:
     t.join(5)
     assert result == ["cancelled"]
     assert store.jobs["job_1"]["usage"]["completion_tokens"] == 0
+
+
+# --- poison recognition (issue 9 item 1) -------------------------------------------------
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}}
+
+
+def constrained(spec) -> bool:
+    return "structured_outputs" in spec.sampling
+
+
+def test_engine_death_fails_an_untried_constraint_alone_and_hands_the_rest_back(loop: LoopThread) -> None:
+    from tests.unit.fakes import DyingEngine
+    from worker.engine import EngineDead
+
+    store, streams = FakeStore(), FakeStreams()
+    store.add("job_poison", body(max_tokens=50, guided_json=SCHEMA))
+    store.add("job_other", body(max_tokens=50))
+    engine = DyingEngine(kills=constrained)
+    runner = make_runner(loop, engine, store, streams)  # type: ignore[arg-type]
+    with pytest.raises(EngineDead):
+        runner.run_many(["job_other", "job_poison"])
+    poison = store.jobs["job_poison"]
+    assert poison["status"] == "failed" and poison["attempts"] == 1
+    assert poison["error"]["error"]["type"] == "invalid_request_error"
+    assert poison["error"]["error"]["param"] == "guided_json"
+    assert "not retried" in poison["error"]["error"]["message"]
+    assert ("job_poison", "failed") in streams.ended
+    # The other tenant's job goes back to the queue, to run again on a fresh engine.
+    assert store.jobs["job_other"]["status"] == "queued"
+    assert store.jobs["job_other"]["attempts"] == 1
+
+
+def test_a_constraint_that_already_ran_in_this_engine_is_not_a_suspect(loop: LoopThread) -> None:
+    from tests.unit.fakes import DyingEngine
+    from worker.engine import EngineDead
+
+    store, streams = FakeStore(), FakeStreams()
+    store.add("job_first", body(max_tokens=3, guided_json=SCHEMA))
+    store.add("job_again", body(max_tokens=50, guided_json=SCHEMA))
+    store.add("job_killer", body(max_tokens=50, messages=[{"role": "user", "content": "kill"}]))
+    engine = DyingEngine(delay=0.01)
+    runner = make_runner(loop, engine, store, streams)  # type: ignore[arg-type]
+    assert runner.run("job_first") == "succeeded"
+    engine.kills = lambda spec: not constrained(spec)
+    with pytest.raises(EngineDead):
+        runner.run_many(["job_killer", "job_again"])
+    # The schema produced tokens in this engine before: the job is handed back, not failed.
+    assert store.jobs["job_again"]["status"] == "queued"
+    assert store.jobs["job_killer"]["status"] == "queued"
+
+
+def test_engine_refusing_a_parameter_fails_the_job_as_a_400(loop: LoopThread) -> None:
+    from worker.engine import RequestRejected
+
+    class Refusing(InstantEngine):
+        async def generate(self, spec):  # type: ignore[override]
+            raise RequestRejected(
+                "token_id(s) [99999] in logit_bias contain out-of-vocab token ids", "logit_bias"
+            )
+            yield  # pragma: no cover
+
+    store, streams = FakeStore(), FakeStreams()
+    store.add("job_1", body(logit_bias={"99999": 5}))
+    runner = make_runner(loop, Refusing(), store, streams)
+    assert runner.run("job_1") == "failed"
+    error = store.jobs["job_1"]["error"]["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == "logit_bias"
+
+
+def test_worker_compiles_constraints_in_the_sandbox_and_fails_a_bomb_alone(loop: LoopThread) -> None:
+    from app.services.sandbox import ConstraintSandbox
+    from tests.bombs import chained_grammar
+
+    store, streams = FakeStore(), FakeStreams()
+    store.add("job_bomb", body(max_tokens=2, guided_grammar=chained_grammar()))
+    store.add("job_ok", body(max_tokens=2, guided_regex="[0-9]+"))
+    sandbox = ConstraintSandbox("guidance", processes=1)
+    runner = JobRunner(
+        store,  # type: ignore[arg-type]
+        InstantEngine(),
+        loop,
+        ByteRenderer(),
+        ResourceSampler(self_pid, None),
+        streams,  # type: ignore[arg-type]
+        RunnerConfig("w1", lease_seconds=30, max_attempts=3, job_timeout_seconds=30, system_fingerprint="fp"),
+        constraints=sandbox,
+    )
+    try:
+        statuses = runner.run_many(["job_bomb", "job_ok"])
+    finally:
+        sandbox.close()
+    assert statuses == {"job_bomb": "failed", "job_ok": "succeeded"}
+    error = store.jobs["job_bomb"]["error"]["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == "guided_grammar"
+    assert store.jobs["job_bomb"]["attempts"] == 1
