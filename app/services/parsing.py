@@ -1,12 +1,17 @@
 """Turning raw request bytes into typed models, with errors that name the field.
 
 Size and nesting are checked on the bytes before any JSON parser sees them, so a 10,000-deep
-document or a huge body is refused in linear time with flat memory.
+document or a huge body is refused in linear time with flat memory. What parses but cannot be
+carried on (a lone surrogate, which no UTF-8 encoder, tokenizer or database accepts; a number
+too long to convert or too large for a float; `NaN`/`Infinity`, which are not JSON) is refused
+right after parsing with the field named, so no later layer meets it as a 500.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -19,6 +24,15 @@ M = TypeVar("M", bound=BaseModel)
 _TAGGED_AFTER_INDEX = {"messages", "content"}
 _TAGGED_FIELDS = {"response_format"}
 _PRIMITIVES = {"str", "int", "float", "bool", "dict", "list", "none", "is-instance"}
+
+# Python's own default guard on int<->str conversion, and the bound the batch line parser
+# (pydantic's jiter) applies, so a single request and a batch line accept the same numbers.
+MAX_INT_DIGITS = 4300
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+class _Unusable(str):
+    """A number the parser met that cannot be carried on; found and named by the walk below."""
 
 
 def check_size(raw: bytes, limit: int) -> None:
@@ -49,11 +63,35 @@ def check_depth(raw: bytes, limit: int) -> None:
             depth -= 1
 
 
+def _parse_int(text: str) -> int | _Unusable:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        return _Unusable(f"an integer of {len(text.lstrip('-'))} digits (at most {MAX_INT_DIGITS})")
+    return int(text)
+
+
+def _parse_float(text: str) -> float | _Unusable:
+    value = float(text)
+    if not math.isfinite(value):
+        return _Unusable("a number too large for a 64-bit float")
+    return value
+
+
+def _parse_constant(text: str) -> _Unusable:
+    return _Unusable(f"{text}, which is not JSON")
+
+
 def load_json(raw: bytes, *, max_bytes: int, max_depth: int) -> Any:
+    """Parse a request body. Raises PayloadTooLarge, or InvalidRequest naming the field
+    (`param`) that holds what cannot be carried on."""
     check_size(raw, max_bytes)
     check_depth(raw, max_depth)
+    return decode_json(raw)
+
+
+def decode_json(raw: bytes | str) -> Any:
+    """Parse JSON whose size and depth are already bounded; InvalidRequest as load_json."""
     try:
-        return json.loads(raw)
+        data = json.loads(raw, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_parse_constant)
     except UnicodeDecodeError as exc:
         raise InvalidRequest(f"request body is not valid UTF-8: {exc.reason}") from exc
     except json.JSONDecodeError as exc:
@@ -61,6 +99,46 @@ def load_json(raw: bytes, *, max_bytes: int, max_depth: int) -> Any:
             f"request body is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})",
             code="invalid_json",
         ) from exc
+    check_values(data)
+    return data
+
+
+def _show(name: str) -> str:
+    return name.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def check_values(data: Any) -> None:
+    """Walk parsed JSON (iteratively; depth is already bounded) and refuse the first string
+    or key holding a lone surrogate and the first unusable number, naming where it is."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, _Unusable):
+            raise InvalidRequest(
+                f"Invalid value for {path or 'the body'}: {value}",
+                param=path or None,
+                code="invalid_number",
+            )
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                raise InvalidRequest(
+                    f"Invalid value for {path or 'the body'}: the string holds a lone UTF-16 "
+                    "surrogate (an unpaired \\ud800-\\udfff escape), which is not a character",
+                    param=path or None,
+                    code="invalid_string",
+                )
+        elif isinstance(value, dict):
+            for key in reversed(list(value)):
+                where = f"{path}.{_show(key)}" if path else _show(key)
+                if _SURROGATE.search(key):
+                    raise InvalidRequest(
+                        f"Invalid key {where}: it holds a lone UTF-16 surrogate",
+                        param=where,
+                        code="invalid_string",
+                    )
+                stack.append((where, value[key]))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in reversed(list(enumerate(value))))
 
 
 def error_param(loc: tuple[int | str, ...]) -> str | None:
