@@ -84,6 +84,11 @@ class Settings(BaseSettings):
         default=None,
         description="vLLM tool parser for `tool_choice: auto` (e.g. hermes); unset refuses auto.",
     )
+    image_url_resolve_timeout_seconds: float = Field(
+        default=2.0,
+        gt=0,
+        description="How long an `image_url` host name may take to resolve before it is refused.",
+    )
     api_counts_prompt_tokens: bool = Field(
         default=True,
         description="Count prompt tokens in the API (400 before queuing) when the model is local.",
