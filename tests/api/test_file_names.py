@@ -17,7 +17,8 @@ from app.api.files import content_disposition
 from tests.conftest import auth
 
 HEADER = re.compile(
-    r"""^attachment; filename="(?P<fallback>[\x20-\x7e]*)"; filename\*=UTF-8''(?P<exact>[A-Za-z0-9!#$&+\-.^_`|~%]+)$"""
+    r"""^attachment; filename="(?P<fallback>[\x20-\x7e]*)"; """
+    r"""filename\*=UTF-8''(?P<exact>[A-Za-z0-9!#$&+\-.^_`|~%]+)$"""
 )
 
 NAMES = [
