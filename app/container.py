@@ -43,6 +43,7 @@ class Services:
     health: HealthService
     metrics: MetricsService
     limiter: RateLimiter
+    auth_failures: RateLimiter
 
     @property
     def served_models(self) -> frozenset[str]:
@@ -116,5 +117,12 @@ def build_services(settings: Settings, *, db_pool_size: int = 10) -> Services:
         metrics=MetricsService(db, redis, queue, served),
         limiter=RateLimiter(
             redis, per_minute=settings.rate_limit_per_minute, burst=settings.rate_limit_burst
+        ),
+        auth_failures=RateLimiter(
+            redis,
+            per_minute=settings.auth_failures_per_minute,
+            burst=settings.auth_failure_burst,
+            scope="authfail",
+            subject_name="failed authentications per minute reached for this client address",
         ),
     )

@@ -109,6 +109,19 @@ class Settings(BaseSettings):
     )
 
     # Auth.
+    auth_failures_per_minute: int = Field(
+        default=60,
+        ge=0,
+        description="Failed authentications (no, unknown or revoked key) per client address per "
+        "minute before 429s; 0 turns it off. A correct key is never refused by it.",
+    )
+    auth_failure_burst: int = Field(default=30, ge=1, description="Failed authentications allowed at once.")
+    trusted_proxy_hops: int = Field(
+        default=0,
+        ge=0,
+        description="Reverse proxies in front of the API whose X-Forwarded-For is trusted: the client "
+        "address is that many entries from the right; 0 ignores the header (the peer address).",
+    )
     bootstrap_api_key: str | None = Field(
         default=None, description="Registered for the default tenant at start-up."
     )
