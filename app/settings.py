@@ -122,6 +122,12 @@ class Settings(BaseSettings):
         description="Reverse proxies in front of the API whose X-Forwarded-For is trusted: the client "
         "address is that many entries from the right; 0 ignores the header (the peer address).",
     )
+    health_details: Literal["public", "authenticated", "none"] = Field(
+        default="authenticated",
+        description="Who sees worker names (host names, pids) and per-worker series on /readyz and "
+        "/metrics: everyone, callers with a valid API key, or no one. Readiness and per-model "
+        "counts are always public.",
+    )
     bootstrap_api_key: str | None = Field(
         default=None, description="Registered for the default tenant at start-up."
     )

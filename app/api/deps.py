@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, cast
 
 from flask import current_app, g, request
 
 from app.container import Services
-from app.errors import Unauthorized
+from app.errors import RateLimited, Unauthorized
 from app.services.idempotency import IdempotencyKey
 from app.services.keys import Principal
 from app.services.parsing import load_json
@@ -15,6 +16,28 @@ from app.services.parsing import load_json
 
 def services() -> Services:
     return cast(Services, current_app.extensions["llmq"])
+
+
+def bearer_token() -> str | None:
+    header = request.headers.get("Authorization", "")
+    scheme, _, key = header.partition(" ")
+    return key.strip() if scheme.lower() == "bearer" else None
+
+
+def optional_principal() -> Principal | None:
+    """The caller when they sent a valid key, else None (never an error): for public routes
+    that show more to an authenticated caller. A wrong key still counts as a failed
+    authentication for its address."""
+    s = services()
+    token = bearer_token()
+    if not token:
+        return None
+    try:
+        return s.keys.authenticate(token)
+    except Unauthorized:
+        with contextlib.suppress(RateLimited):  # a probe is never refused, only shown less
+            s.auth_failures.check(client_address())
+        return None
 
 
 def client_address() -> str:
@@ -40,11 +63,8 @@ def authenticate() -> None:
     limit is about load and noise, not guessing.
     """
     s = services()
-    header = request.headers.get("Authorization", "")
-    scheme, _, key = header.partition(" ")
-    token = key.strip() if scheme.lower() == "bearer" else None
     try:
-        g.principal = s.keys.authenticate(token)
+        g.principal = s.keys.authenticate(bearer_token())
     except Unauthorized:
         s.auth_failures.check(client_address())
         raise
