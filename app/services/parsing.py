@@ -127,7 +127,9 @@ def _show(name: str) -> str:
 
 
 def _where(path: list[str | int]) -> str | None:
-    out = "".join(f"[{p}]" if isinstance(p, int) else f".{_show(p)}" for p in path).lstrip(".")
+    out = "".join(
+        f"[{p}]" if isinstance(p, int) else f".{_show(p)}" if i else _show(p) for i, p in enumerate(path)
+    )
     return out or None
 
 
