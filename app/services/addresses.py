@@ -53,6 +53,7 @@ _METADATA = frozenset(
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
 _IPV4_COMPATIBLE = ipaddress.ip_network("::/96")
 _IPV4ISH = re.compile(r"^[0-9][0-9a-fx.]*$")
+_AMBIGUOUS_AUTHORITY = re.compile(r"[\\\s\x00-\x1f\x7f]")
 
 
 class UnresolvableHost(Exception):
@@ -165,6 +166,10 @@ def url_refusal(url: str, resolve: Resolver) -> str | None:
         return f"scheme `{parts.scheme or '(none)'}` is not allowed (only http, https and data)"
     if not host:
         return "the URL has no host, which is not allowed"
+    if _AMBIGUOUS_AUTHORITY.search(parts.netloc):
+        # `http://127.0.0.1\@example.com`: Python reads host example.com, browsers and
+        # WHATWG-style fetchers read 127.0.0.1. Refuse rather than guess which one fetches.
+        return "the URL's host part holds a backslash, space or control character: not allowed"
     name = host.removesuffix(".")
     if name in _LOCAL_NAMES or name.endswith((".localhost", ".internal", ".local")):
         return f"host `{host}` is local: the address is not allowed"

@@ -136,7 +136,17 @@ def test_names_are_judged_by_every_address_they_resolve_to() -> None:
     assert why is not None and "does not resolve" in why
 
 
-@pytest.mark.parametrize("url", ["file:///etc/passwd", "gopher://example.com/", "http:///x", "http://[::1/x"])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "file:///etc/passwd",
+        "gopher://example.com/",
+        "http:///x",
+        "http://[::1/x",
+        "http://127.0.0.1\\@cdn.example.com/x.png",  # parser differential: who reads which host
+        "http://cdn.example.com@127.0.0.1/x.png",
+    ],
+)
 def test_other_schemes_and_broken_urls_are_refused(url: str) -> None:
     assert url_refusal(url, DNS) is not None
 
