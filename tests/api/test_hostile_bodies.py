@@ -147,3 +147,18 @@ def test_nan_text_in_a_line_is_fine(quick) -> None:
 def test_nul_in_file_name_is_400(quick) -> None:
     client, key = quick
     assert_400(upload(client, key, (batch_line("x") + "\n").encode(), name="a\x00b.jsonl"), "file")
+
+
+@pytest.mark.parametrize("host", ["0x7f000001", "2130706433", "127.1", "0177.0.0.1", "[::ffff:127.0.0.1]"])
+@pytest.mark.parametrize("route", ROUTES)
+def test_non_canonical_loopback_image_urls_are_400(quick, route: str, host: str) -> None:
+    client, key = quick
+    content = [
+        {"type": "text", "text": "look"},
+        {"type": "image_url", "image_url": {"url": f"http://{host}/a.png"}},
+    ]
+    body = {"model": "api-only", "max_tokens": 4, "messages": [{"role": "user", "content": content}]}
+    error = assert_400(
+        client.post(route, json=body, headers=auth(key)), "messages[0].content[1].image_url.url"
+    )
+    assert "not allowed" in error["message"]
