@@ -48,6 +48,7 @@ class Services:
     health: HealthService
     metrics: MetricsService
     limiter: RateLimiter
+    auth_failures: RateLimiter
     constraints: ConstraintSandbox | None = None
 
     @property
@@ -168,4 +169,11 @@ def build_services(settings: Settings, *, db_pool_size: int = 10) -> Services:
             redis, per_minute=settings.rate_limit_per_minute, burst=settings.rate_limit_burst
         ),
         constraints=constraints,
+        auth_failures=RateLimiter(
+            redis,
+            per_minute=settings.auth_failures_per_minute,
+            burst=settings.auth_failure_burst,
+            scope="authfail",
+            subject_name="failed authentications per minute reached for this client address",
+        ),
     )

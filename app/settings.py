@@ -141,6 +141,11 @@ class Settings(BaseSettings):
         default=None,
         description="vLLM tool parser for `tool_choice: auto` (e.g. hermes); unset refuses auto.",
     )
+    image_url_resolve_timeout_seconds: float = Field(
+        default=2.0,
+        gt=0,
+        description="How long an `image_url` host name may take to resolve before it is refused.",
+    )
     api_counts_prompt_tokens: bool = Field(
         default=True,
         description="Count prompt tokens in the API (400 before queuing) when the model is local.",
@@ -166,6 +171,25 @@ class Settings(BaseSettings):
     )
 
     # Auth.
+    auth_failures_per_minute: int = Field(
+        default=60,
+        ge=0,
+        description="Failed authentications (no, unknown or revoked key) per client address per "
+        "minute before 429s; 0 turns it off. A correct key is never refused by it.",
+    )
+    auth_failure_burst: int = Field(default=30, ge=1, description="Failed authentications allowed at once.")
+    trusted_proxy_hops: int = Field(
+        default=0,
+        ge=0,
+        description="Reverse proxies in front of the API whose X-Forwarded-For is trusted: the client "
+        "address is that many entries from the right; 0 ignores the header (the peer address).",
+    )
+    health_details: Literal["public", "authenticated", "none"] = Field(
+        default="authenticated",
+        description="Who sees worker names (host names, pids) and per-worker series on /readyz and "
+        "/metrics: everyone, callers with a valid API key, or no one. Readiness and per-model "
+        "counts are always public.",
+    )
     bootstrap_api_key: str | None = Field(
         default=None, description="Registered for the default tenant at start-up."
     )

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, cast
 
 from flask import current_app, g, request
 
 from app.container import Services
+from app.errors import RateLimited, Unauthorized
 from app.services.idempotency import IdempotencyKey
 from app.services.keys import Principal
 from app.services.parsing import load_json
@@ -16,13 +18,57 @@ def services() -> Services:
     return cast(Services, current_app.extensions["llmq"])
 
 
-def authenticate() -> None:
-    """`before_request` hook for blueprints behind auth."""
+def bearer_token() -> str | None:
     header = request.headers.get("Authorization", "")
     scheme, _, key = header.partition(" ")
-    token = key.strip() if scheme.lower() == "bearer" else None
-    g.principal = services().keys.authenticate(token)
-    services().limiter.check(g.principal.key_id)
+    return key.strip() if scheme.lower() == "bearer" else None
+
+
+def optional_principal() -> Principal | None:
+    """The caller when they sent a valid key, else None (never an error): for public routes
+    that show more to an authenticated caller. A wrong key still counts as a failed
+    authentication for its address."""
+    s = services()
+    token = bearer_token()
+    if not token:
+        return None
+    try:
+        return s.keys.authenticate(token)
+    except Unauthorized:
+        with contextlib.suppress(RateLimited):  # a probe is never refused, only shown less
+            s.auth_failures.check(client_address())
+        return None
+
+
+def client_address() -> str:
+    """The caller's address: the peer, or with `trusted_proxy_hops` = N the address the
+    outermost of N trusted proxies saw (N entries from the right of X-Forwarded-For, which
+    each proxy appends to; anything further left is the client's to forge)."""
+    hops = services().settings.trusted_proxy_hops
+    if hops > 0:
+        forwarded = [a.strip() for a in ",".join(request.headers.getlist("X-Forwarded-For")).split(",")]
+        forwarded = [a for a in forwarded if a]
+        if len(forwarded) >= hops:
+            return forwarded[-hops][:64]
+    return request.remote_addr or "unknown"
+
+
+def authenticate() -> None:
+    """`before_request` hook for blueprints behind auth.
+
+    Failed attempts (no, unknown or revoked key) are counted per client address; past the
+    limit they are 429s. Only failures are counted: a correct key is never refused by the
+    address limit (a valid tenant behind the same NAT or proxy as an attacker keeps
+    working) and is limited by its own per-key rate alone. Keys are 256-bit random, so the
+    limit is about load and noise, not guessing.
+    """
+    s = services()
+    try:
+        g.principal = s.keys.authenticate(bearer_token())
+    except Unauthorized:
+        s.auth_failures.check(client_address())
+        raise
+    s.limiter.check(g.principal.key_id)
 
 
 def principal() -> Principal:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from urllib.parse import quote
+
 from flask import Blueprint, Response, jsonify, request, stream_with_context
 
 from app.api.deps import authenticate, principal, services
@@ -9,6 +11,15 @@ from app.errors import InvalidRequest
 
 bp = Blueprint("files", __name__)
 bp.before_request(authenticate)
+
+
+def content_disposition(filename: str) -> str:
+    """An `attachment` header for a client-chosen name (RFC 6266): a quoted ASCII fallback in
+    which quotes, backslashes, control characters (CR/LF would split the header) and
+    non-ASCII become `_`, and the exact name as RFC 5987 `filename*=UTF-8''...`."""
+    fallback = "".join(c if 0x20 <= ord(c) < 0x7F and c not in '"\\' else "_" for c in filename)
+    exact = quote(filename.encode("utf-8", "replace"), safe="!#$&+^`|")
+    return f"attachment; filename=\"{fallback or 'download'}\"; filename*=UTF-8''{exact}"
 
 
 def _limit(default: int) -> int:
@@ -54,7 +65,7 @@ def get_file(file_id: str) -> Response:
 def file_content(file_id: str) -> Response:
     f, body = services().files.content(principal(), file_id)
     response = Response(stream_with_context(body), mimetype="application/jsonl")
-    response.headers["Content-Disposition"] = f'attachment; filename="{f.filename}"'
+    response.headers["Content-Disposition"] = content_disposition(f.filename)
     return response
 
 

@@ -1,10 +1,13 @@
-"""Liveness, readiness and Prometheus metrics; no auth, so orchestrators can probe."""
+"""Liveness, readiness and Prometheus metrics; no auth, so orchestrators can probe.
+
+Worker names (host names and pids) are details: shown to everyone, to callers with a valid
+key, or to no one, by `LLMQ_HEALTH_DETAILS`; readiness and per-model counts always show."""
 
 from __future__ import annotations
 
 from flask import Blueprint, Response, jsonify
 
-from app.api.deps import services
+from app.api.deps import optional_principal, services
 
 bp = Blueprint("health", __name__)
 
@@ -14,9 +17,14 @@ def healthz() -> Response:
     return jsonify({"status": "ok"})
 
 
+def _details() -> bool:
+    mode = services().settings.health_details
+    return mode == "public" or (mode == "authenticated" and optional_principal() is not None)
+
+
 @bp.get("/readyz")
 def readyz() -> Response:
-    result = services().health.readiness()
+    result = services().health.readiness(details=_details())
     response = jsonify({"status": "ready" if result.ready else "not_ready", "checks": result.checks})
     response.status_code = 200 if result.ready else 503
     return response
@@ -24,4 +32,6 @@ def readyz() -> Response:
 
 @bp.get("/metrics")
 def metrics() -> Response:
-    return Response(services().metrics.render(), mimetype="text/plain; version=0.0.4; charset=utf-8")
+    return Response(
+        services().metrics.render(details=_details()), mimetype="text/plain; version=0.0.4; charset=utf-8"
+    )

@@ -8,15 +8,14 @@ refused with a 400 naming it. The refusals say why: most come from what the inst
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import re
 from collections.abc import Callable
 from typing import Any, Protocol
-from urllib.parse import urlparse
 
 from app.errors import InvalidRequest, NotFound, Unsupported
 from app.schemas.chat import ChatCompletionV2Request, ImagePart, TextPart
+from app.services.addresses import Resolver, system_resolver, url_refusal
 from app.services.structured import Constraint, ConstraintLimits, check_limits, constraint_of
 from app.services.tools import plan_tools
 from app.settings import Settings
@@ -359,7 +358,8 @@ class RequestPolicy:
                     continue
                 param = f"messages[{i}].content[{j}]"
                 if isinstance(part, ImagePart):
-                    unsafe = unsafe_url_reason(part.image_url.url)
+                    resolve = system_resolver(self._settings.image_url_resolve_timeout_seconds)
+                    unsafe = unsafe_url_reason(part.image_url.url, resolve)
                     if unsafe:
                         raise InvalidRequest(f"`image_url` refused: {unsafe}", param=f"{param}.image_url.url")
                 raise Unsupported(
@@ -405,32 +405,8 @@ def completion_budget(req: ChatCompletionV2Request, prompt_tokens: int, max_mode
     return asked if asked is not None else room
 
 
-_BLOCKED_HOSTS = {"localhost", "localhost.localdomain", "ip6-localhost", "metadata.google.internal"}
-
-
-def unsafe_url_reason(url: str) -> str | None:
-    """Why fetching `url` would be unsafe (SSRF), or None. Hosts are judged as written:
-    loopback, private, link-local, reserved and unspecified addresses, `file:` and any scheme
-    but http(s)."""
-    parsed = urlparse(url)
-    if parsed.scheme == "data":
-        return None
-    if parsed.scheme not in ("http", "https"):
-        return f"scheme `{parsed.scheme or '(none)'}` is not fetched"
-    host = (parsed.hostname or "").lower()
-    if not host or host in _BLOCKED_HOSTS or host.endswith(".localhost"):
-        return f"host `{host or '(none)'}` is local"
-    try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
-        return None
-    if (
-        address.is_loopback
-        or address.is_private
-        or address.is_link_local
-        or address.is_reserved
-        or address.is_unspecified
-        or address.is_multicast
-    ):
-        return f"address {address} is not public"
-    return None
+def unsafe_url_reason(url: str, resolve: Resolver | None = None) -> str | None:
+    """Why fetching `url` would be unsafe (SSRF), or None: the host is parsed as a fetcher
+    would and names are resolved (`resolve`, default the system's, 2 s), see
+    `app.services.addresses`."""
+    return url_refusal(url, resolve or system_resolver(2.0))

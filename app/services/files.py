@@ -33,7 +33,7 @@ from app.schemas.batches import (
 from app.services.batches import output_lines
 from app.services.contract import RequestPolicy
 from app.services.keys import Principal
-from app.services.parsing import describe, error_param
+from app.services.parsing import check_depth, decode_json, describe, error_param
 from app.settings import Settings
 
 log = logging.getLogger("llmq.files")
@@ -69,8 +69,9 @@ def to_file_object(f: File) -> FileObject:
 class LineChecker:
     """Validates input lines one at a time, remembering custom_ids to catch repeats."""
 
-    def __init__(self, policy: RequestPolicy) -> None:
+    def __init__(self, policy: RequestPolicy, *, max_depth: int = 64) -> None:
         self._policy = policy
+        self._max_depth = max_depth
         self._seen: set[str] = set()
         self.endpoints: set[str] = set()
 
@@ -86,12 +87,16 @@ class LineChecker:
             first = exc.errors(include_url=False, include_input=False)[0]
             kind = str(first.get("type"))
             if kind == "json_invalid":
-                raise InvalidRequest("not valid JSON", code="invalid_json") from exc
+                raise self._unparseable(raw, first) from exc
             if kind == "model_type":
                 raise InvalidRequest("each line must be a JSON object", code="invalid_line") from exc
             raise InvalidRequest(
                 describe(dict(first)), param=error_param(tuple(first.get("loc", ()))), code=kind
             ) from exc
+        # jiter accepts NaN and Infinity, which are not JSON: creating the batch casts each
+        # line to Postgres json, which refuses them.
+        if (b"NaN" in raw or b"Infinity" in raw) and (named := self._strict_error(raw)) is not None:
+            raise named
         if line.url not in BATCH_ENDPOINTS:
             raise InvalidRequest(
                 f"url {line.url!r} is not a supported endpoint ({', '.join(BATCH_ENDPOINTS)})",
@@ -101,6 +106,11 @@ class LineChecker:
         if line.body.stream:
             raise InvalidRequest(
                 "`stream: true` cannot be used in a batch", param="body.stream", code="invalid_line"
+            )
+        if "\x00" in line.custom_id:
+            # Stored as Postgres text, which cannot hold U+0000.
+            raise InvalidRequest(
+                "custom_id holds a NUL character (U+0000)", param="custom_id", code="invalid_custom_id"
             )
         if line.custom_id in self._seen:
             raise InvalidRequest(
@@ -116,6 +126,29 @@ class LineChecker:
         self._seen.add(line.custom_id)
         self.endpoints.add(line.url)
         return line.custom_id, text
+
+    def _strict_error(self, raw: bytes) -> InvalidRequest | None:
+        """What the request body parser says about the line, naming the field that holds a
+        lone surrogate, an out-of-range number or NaN/Infinity. Slower than jiter, so only
+        run when jiter refused the line or the line holds one of those literals."""
+        try:
+            check_depth(raw, self._max_depth)
+            decode_json(raw)
+        except InvalidRequest as exc:
+            if exc.code != "invalid_json":
+                return InvalidRequest(exc.message, param=exc.param, code="invalid_json")
+        return None
+
+    def _unparseable(self, raw: bytes, first: Any) -> InvalidRequest:
+        """The error for a line the fast parser refused: the named field when the strict
+        parser finds one, else jiter's own reason, with its column."""
+        named = self._strict_error(raw)
+        if named is not None:
+            return named
+        detail = str((first.get("ctx") or {}).get("error", "")).replace(" at line 1 ", " at ")
+        return InvalidRequest(
+            f"not valid JSON: {detail}" if detail else "not valid JSON", code="invalid_json"
+        )
 
 
 def bounded_lines(stream: IO[bytes], limit: int) -> Iterator[bytes]:
@@ -153,7 +186,9 @@ class FileService:
         """
         if purpose != FilePurpose.BATCH.value:
             raise InvalidRequest(f"purpose {purpose!r} is not accepted; use 'batch'", param="purpose")
-        checker = LineChecker(self._policy)
+        if "\x00" in filename:
+            raise InvalidRequest("the file name holds a NUL character (U+0000)", param="file")
+        checker = LineChecker(self._policy, max_depth=self._settings.max_json_depth)
         file_id = new_id("file")
         errors: list[BatchLineError] = []
         total = lines = 0

@@ -53,7 +53,9 @@ class HealthService:
         self._redis = redis
         self._served = served_models
 
-    def readiness(self) -> Readiness:
+    def readiness(self, *, details: bool = True) -> Readiness:
+        """Database, Redis and consuming workers. Without `details`, workers are counted
+        per model only: no names (they hold host names and pids) and no per-worker figures."""
         checks: dict[str, Any] = {}
         start = time.perf_counter()
         try:
@@ -71,11 +73,12 @@ class HealthService:
         except Exception as exc:  # noqa: BLE001
             checks["redis"] = {"ok": False, "error": type(exc).__name__}
         consuming = [w for w in workers if w.get("model") in self._served and w.get("consuming")]
-        checks["workers"] = {
-            "ok": bool(consuming),
-            "consuming": len(consuming),
-            "workers": [
+        per_model = dict.fromkeys(sorted(self._served), 0)
+        for w in consuming:
+            per_model[str(w.get("model"))] += 1
+        checks["workers"] = {"ok": bool(consuming), "consuming": len(consuming), "per_model": per_model}
+        if details:
+            checks["workers"]["workers"] = [
                 {k: w.get(k) for k in ("name", "model", "inflight", "capacity", "engine")} for w in workers
-            ],
-        }
+            ]
         return Readiness(all(c["ok"] for c in checks.values()), checks)

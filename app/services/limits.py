@@ -29,10 +29,23 @@ return tostring(wait)
 
 
 class RateLimiter:
-    def __init__(self, redis: Redis[bytes], *, per_minute: int, burst: int) -> None:
+    """`scope` names the buckets (`llmq:<scope>:<subject>`) and `subject_name` says in the
+    429 what was limited: a key by default, a client address for failed authentications."""
+
+    def __init__(
+        self,
+        redis: Redis[bytes],
+        *,
+        per_minute: int,
+        burst: int,
+        scope: str = "rate",
+        subject_name: str = "requests per minute reached for this key",
+    ) -> None:
         self._redis = redis
         self._rate = per_minute / 60.0
         self._burst = max(1, burst)
+        self._scope = scope
+        self._subject_name = subject_name
         self._take = redis.register_script(_TAKE)
 
     @property
@@ -40,13 +53,13 @@ class RateLimiter:
         return self._rate > 0
 
     def check(self, key_id: str) -> None:
-        """Raises RateLimited (429, with the seconds to wait) when the key is over its rate."""
+        """Takes one token from `key_id`'s bucket. Raises RateLimited (429, with the seconds
+        to wait) when it is over its rate."""
         if not self.enabled:
             return
-        wait = float(self._take(keys=[f"llmq:rate:{key_id}"], args=[self._rate, self._burst]))
+        wait = float(self._take(keys=[f"llmq:{self._scope}:{key_id}"], args=[self._rate, self._burst]))
         if wait > 0:
             raise RateLimited(
-                f"rate limit of {self._rate * 60:g} requests per minute reached for this key; "
-                f"retry in {math.ceil(wait)} s",
+                f"rate limit of {self._rate * 60:g} {self._subject_name}; retry in {math.ceil(wait)} s",
                 retry_after=wait,
             )

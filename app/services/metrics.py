@@ -56,8 +56,10 @@ class MetricsService:
         self._queue = queue
         self._served = served_models
 
-    def render(self) -> str:
-        families = [*self._database(), *self._broker()]
+    def render(self, *, details: bool = True) -> str:
+        """The exposition text. Without `details`, per-worker series (labelled with worker
+        names, which hold host names and pids) are summed per model instead."""
+        families = [*self._database(), *self._broker(details)]
         return "\n".join(line for f in families for line in f.render()) + "\n"
 
     def _database(self) -> list[Family]:
@@ -78,13 +80,18 @@ class MetricsService:
         took.add(time.perf_counter() - start)
         return [up, jobs, batches, took]
 
-    def _broker(self) -> list[Family]:
+    def _broker(self, details: bool) -> list[Family]:
         up = Family("llmq_redis_up", "1 when Redis answered this scrape.")
         depth = Family("llmq_queue_depth", "Messages waiting in the broker, by model.")
         unacked = Family("llmq_messages_unacked", "Messages taken by workers and not yet acknowledged.")
         workers = Family("llmq_workers_consuming", "Workers that proved they consume, by model.")
-        inflight = Family("llmq_worker_inflight", "Jobs a worker is running now.")
-        capacity = Family("llmq_worker_capacity", "Jobs a worker runs at once at most.")
+        if details:
+            inflight = Family("llmq_worker_inflight", "Jobs a worker is running now.")
+            capacity = Family("llmq_worker_capacity", "Jobs a worker runs at once at most.")
+        else:
+            inflight = Family("llmq_model_inflight", "Jobs the live workers of a model are running now.")
+            capacity = Family("llmq_model_capacity", "Jobs the live workers of a model run at once at most.")
+        summed: dict[str, list[float]] = {}
         try:
             for model in sorted(self._served):
                 depth.add(self._queue.depth(model), model=model)
@@ -94,10 +101,19 @@ class MetricsService:
                 model = str(w.get("model", ""))
                 if w.get("consuming"):
                     per_model[model] = per_model.get(model, 0) + 1
-                inflight.add(float(w.get("inflight") or 0), worker=str(w.get("name", "")), model=model)
-                capacity.add(float(w.get("capacity") or 0), worker=str(w.get("name", "")), model=model)
+                running, most = float(w.get("inflight") or 0), float(w.get("capacity") or 0)
+                if details:
+                    inflight.add(running, worker=str(w.get("name", "")), model=model)
+                    capacity.add(most, worker=str(w.get("name", "")), model=model)
+                total = summed.setdefault(model, [0.0, 0.0])
+                total[0] += running
+                total[1] += most
             for model, count in sorted(per_model.items()):
                 workers.add(count, model=model)
+            if not details:
+                for model, (running, most) in sorted(summed.items()):
+                    inflight.add(running, model=model)
+                    capacity.add(most, model=model)
             up.add(1)
         except Exception:  # noqa: BLE001
             up.add(0)

@@ -1,12 +1,17 @@
 """Turning raw request bytes into typed models, with errors that name the field.
 
 Size and nesting are checked on the bytes before any JSON parser sees them, so a 10,000-deep
-document or a huge body is refused in linear time with flat memory.
+document or a huge body is refused in linear time with flat memory. What parses but cannot be
+carried on (a lone surrogate, which no UTF-8 encoder, tokenizer or database accepts; a number
+too long to convert or too large for a float; `NaN`/`Infinity`, which are not JSON) is refused
+right after parsing with the field named, so no later layer meets it as a 500.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -19,6 +24,16 @@ M = TypeVar("M", bound=BaseModel)
 _TAGGED_AFTER_INDEX = {"messages", "content"}
 _TAGGED_FIELDS = {"response_format"}
 _PRIMITIVES = {"str", "int", "float", "bool", "dict", "list", "none", "is-instance"}
+
+# Python's own default guard on int<->str conversion, and the bound the batch line parser
+# (pydantic's jiter) applies, so a single request and a batch line accept the same numbers.
+MAX_INT_DIGITS = 4300
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
+
+
+class _Unusable(str):
+    """A number the parser met that cannot be carried on; found and named by the walk below."""
 
 
 def check_size(raw: bytes, limit: int) -> None:
@@ -49,11 +64,52 @@ def check_depth(raw: bytes, limit: int) -> None:
             depth -= 1
 
 
+def _parse_int(text: str) -> int | _Unusable:
+    digits = len(text.lstrip("-"))
+    if digits > MAX_INT_DIGITS:
+        return _Unusable(f"an integer of {digits} digits (at most {MAX_INT_DIGITS})")
+    return int(text)
+
+
 def load_json(raw: bytes, *, max_bytes: int, max_depth: int) -> Any:
+    """Parse a request body. Raises PayloadTooLarge, or InvalidRequest naming the field
+    (`param`) that holds what cannot be carried on."""
     check_size(raw, max_bytes)
     check_depth(raw, max_depth)
+    return decode_json(raw)
+
+
+def decode_json(raw: bytes) -> Any:
+    """Parse JSON whose size and depth are already bounded; InvalidRequest as load_json.
+
+    The common body pays almost nothing: the parse runs at C speed (hooks fire only for
+    floats and NaN/Infinity), and the walk that names a field runs only when the parse met
+    something unusable or the bytes hold a surrogate escape (the only way a lone
+    surrogate gets in: raw UTF-8 cannot encode one)."""
+    unusable: list[_Unusable] = []
+
+    def refuse(why: str) -> _Unusable:
+        unusable.append(_Unusable(why))
+        return unusable[-1]
+
+    def parse_float(text: str) -> float | _Unusable:
+        value = float(text)
+        return value if math.isfinite(value) else refuse("a number too large for a 64-bit float")
+
+    def parse_constant(text: str) -> _Unusable:
+        return refuse(f"{text}, which is not JSON")
+
     try:
-        return json.loads(raw)
+        try:
+            data = json.loads(raw, parse_float=parse_float, parse_constant=parse_constant)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise
+        except ValueError:
+            # An integer past Python's digit limit: parse again, marking it, to name it.
+            data = json.loads(
+                raw, parse_int=_parse_int, parse_float=parse_float, parse_constant=parse_constant
+            )
+            unusable.append(_Unusable(""))
     except UnicodeDecodeError as exc:
         raise InvalidRequest(f"request body is not valid UTF-8: {exc.reason}") from exc
     except json.JSONDecodeError as exc:
@@ -61,6 +117,60 @@ def load_json(raw: bytes, *, max_bytes: int, max_depth: int) -> Any:
             f"request body is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})",
             code="invalid_json",
         ) from exc
+    if unusable or _SURROGATE_ESCAPE.search(raw):
+        _walk(data, [])
+    return data
+
+
+def _show(name: str) -> str:
+    return name.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _where(path: list[str | int]) -> str | None:
+    out = "".join(
+        f"[{p}]" if isinstance(p, int) else f".{_show(p)}" if i else _show(p) for i, p in enumerate(path)
+    )
+    return out or None
+
+
+def _refuse_scalar(value: Any, path: list[str | int]) -> None:
+    if type(value) is _Unusable:
+        where = _where(path)
+        raise InvalidRequest(
+            f"Invalid value for {where or 'the body'}: {value}", param=where, code="invalid_number"
+        )
+    if type(value) is str and _SURROGATE.search(value):
+        where = _where(path)
+        raise InvalidRequest(
+            f"Invalid value for {where or 'the body'}: the string holds a lone UTF-16 surrogate "
+            "(an unpaired \\ud800-\\udfff escape), which is not a character",
+            param=where,
+            code="invalid_string",
+        )
+
+
+def _walk(value: Any, path: list[str | int]) -> None:
+    """Refuse the first string or key holding a lone surrogate and the first unusable
+    number, naming where it is. Recursive: depth is bounded before parsing."""
+    if type(value) is dict:
+        for key, item in value.items():
+            path.append(key)
+            if _SURROGATE.search(key):
+                where = _where(path)
+                raise InvalidRequest(
+                    f"Invalid key {where}: it holds a lone UTF-16 surrogate",
+                    param=where,
+                    code="invalid_string",
+                )
+            _walk(item, path)
+            path.pop()
+    elif type(value) is list:
+        for i, item in enumerate(value):
+            path.append(i)
+            _walk(item, path)
+            path.pop()
+    else:
+        _refuse_scalar(value, path)
 
 
 def error_param(loc: tuple[int | str, ...]) -> str | None:

@@ -122,3 +122,43 @@ def test_active_job_cap_per_tenant(stores: Stores) -> None:
     api_key = services.keys.create_key(f"tenant-cap-{secrets.token_hex(3)}")
     assert [post(client, api_key, None, body()).status_code for _ in range(3)] == [202, 202, 429]
     services.close()
+
+
+def wrong_key(client: FlaskClient, addr: str, forwarded: str | None = None) -> int:
+    headers = auth("llmq-wrong-" + secrets.token_hex(8)) | (
+        {"X-Forwarded-For": forwarded} if forwarded else {}
+    )
+    return client.get("/v2/jobs", headers=headers, environ_base={"REMOTE_ADDR": addr}).status_code
+
+
+def test_wrong_keys_are_limited_per_address_and_a_right_key_still_works(stores: Stores) -> None:
+    settings = make_settings(stores, auth_failures_per_minute=60, auth_failure_burst=3)
+    services = build_services(settings)
+    client = create_app(settings, services=services).test_client()
+    attacker = f"198.51.100.{secrets.randbelow(250)}"
+    assert [wrong_key(client, attacker) for _ in range(5)] == [401, 401, 401, 429, 429]
+    limited = client.get("/v2/jobs", environ_base={"REMOTE_ADDR": attacker})  # no key at all
+    assert limited.status_code == 429 and int(limited.headers["Retry-After"]) >= 1
+    assert limited.get_json()["error"]["type"] == "rate_limit_error"
+    assert "client address" in limited.get_json()["error"]["message"]
+    # Successes are limited by the per-key limiter only: a tenant at the same address works.
+    right = services.keys.create_key(f"tenant-authfail-{secrets.token_hex(3)}")
+    ok = client.get("/v2/jobs", headers=auth(right), environ_base={"REMOTE_ADDR": attacker})
+    assert ok.status_code == 200
+    # Another address is not touched, and without trusted proxies X-Forwarded-For is ignored.
+    assert wrong_key(client, "203.0.113.9") == 401
+    assert wrong_key(client, attacker, forwarded="203.0.113.77") == 429
+    services.close()
+
+
+def test_trusted_proxy_hops_read_the_address_the_proxy_saw(stores: Stores) -> None:
+    settings = make_settings(stores, auth_failures_per_minute=60, auth_failure_burst=2, trusted_proxy_hops=1)
+    services = build_services(settings)
+    client = create_app(settings, services=services).test_client()
+    proxy = "10.0.0.2"
+    client_a = f"192.0.2.{secrets.randbelow(250)}"
+    # The left part is the client's to forge; the proxy appended the address it saw.
+    codes = [wrong_key(client, proxy, forwarded=f"{secrets.token_hex(2)}, {client_a}") for _ in range(3)]
+    assert codes == [401, 401, 429]
+    assert wrong_key(client, proxy, forwarded=f"{client_a}1") == 401  # another client, same proxy
+    services.close()

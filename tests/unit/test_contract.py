@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from ipaddress import ip_address
+
 import pytest
 
 from app.errors import InvalidRequest, NotFound, Unsupported
@@ -194,6 +196,16 @@ def test_stream_only_where_the_endpoint_streams() -> None:
         "file:///etc/passwd",
         "gopher://example.com/",
         "http://0.0.0.0/",
+        # Non-canonical forms a fetcher reads as loopback or metadata (inet_aton, IPv4-in-IPv6).
+        "http://0x7f000001/x.png",
+        "http://2130706433/x.png",
+        "http://127.1/x.png",
+        "http://0177.0.0.1/x.png",
+        "http://0x7f.1/x.png",
+        "http://[::ffff:127.0.0.1]/x.png",
+        "http://[::ffff:a9fe:a9fe]/latest/meta-data",
+        # A name that does not resolve cannot be checked, so it is not allowed either.
+        "http://no-such-host.invalid/x.png",
     ],
 )
 def test_image_urls_to_private_places_are_refused_before_anything(url: str) -> None:
@@ -202,12 +214,15 @@ def test_image_urls_to_private_places_are_refused_before_anything(url: str) -> N
     with pytest.raises(InvalidRequest) as exc:
         POLICY.check(req(messages=[{"role": "user", "content": body}]))
     assert exc.value.param == "messages[0].content[1].image_url.url"
-    assert "refused" in exc.value.message
+    assert "refused" in exc.value.message and "not allowed" in exc.value.message
 
 
 def test_public_image_is_refused_as_text_only() -> None:
-    assert unsafe_url_reason("https://example.com/cat.png") is None
-    body = [{"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]
+    # A public literal: the check needs no DNS (names are covered in test_addresses.py).
+    assert (
+        unsafe_url_reason("https://example.com/cat.png", lambda host: [ip_address("93.184.216.34")]) is None
+    )
+    body = [{"type": "image_url", "image_url": {"url": "https://93.184.216.34/cat.png"}}]
     with pytest.raises(Unsupported) as exc:
         POLICY.check(req(messages=[{"role": "user", "content": body}]))
     assert exc.value.param == "messages[0].content[0].type"

@@ -95,3 +95,24 @@ def test_depth_limit_without_recursion() -> None:
 
 def test_brackets_inside_strings_do_not_count() -> None:
     check_depth(b'{"a": "[[[[[[[[[[[[\\"[[[["}', 3)
+
+
+@pytest.mark.parametrize(
+    ("raw", "param", "code"),
+    [
+        (b'{"a": [1, {"b": "x\\ud800"}]}', "a[1].b", "invalid_string"),
+        (b'{"a": {"\\udfff": 1}}', "a.\\udfff", "invalid_string"),
+        (b'{"a": -' + b"1" * 4301 + b"}", "a", "invalid_number"),
+        (b'{"a": 1e400}', "a", "invalid_number"),
+        (b'{"a": [Infinity]}', "a[0]", "invalid_number"),
+    ],
+)
+def test_values_nothing_downstream_can_carry_are_named(raw: bytes, param: str, code: str) -> None:
+    with pytest.raises(InvalidRequest) as exc:
+        load_json(raw, max_bytes=1 << 20, max_depth=8)
+    assert (exc.value.param, exc.value.code) == (param, code)
+
+
+def test_surrogate_pairs_and_long_but_bounded_numbers_pass() -> None:
+    data = load_json(b'{"e": "\\ud83d\\ude00", "n": ' + b"9" * 4300 + b"}", max_bytes=1 << 20, max_depth=8)
+    assert data["e"] == "\U0001f600" and len(str(data["n"])) == 4300
