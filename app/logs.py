@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import sys
 from typing import Any
 
-from app.settings import Settings
+from app.settings import Settings, unknown_environment
 
 _KEY_PATTERN = re.compile(r"llmq-[A-Za-z0-9_\-]{8,}")
 _STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
@@ -67,3 +68,8 @@ def configure_logging(settings: Settings) -> None:
     for noisy in ("urllib3", "werkzeug", "kombu", "amqp", "httpx", "httpcore", "alembic"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     root._llmq_configured = True  # type: ignore[attr-defined]
+    unknown = unknown_environment(os.environ)
+    if unknown:
+        logging.getLogger("llmq.settings").warning(
+            "unknown LLMQ_ variables ignored (a typo?): %s", ", ".join(unknown)
+        )

@@ -6,10 +6,11 @@ reads the environment.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -220,6 +221,21 @@ class Settings(BaseSettings):
     log_level: str = "INFO"
     log_json: bool = False
 
+    # `llmq up`, `llmq api` and the CLI client.
+    port: int = Field(
+        default=8000,
+        validation_alias=AliasChoices("LLMQ_PORT", "PORT", "port"),
+        description="`llmq api`'s port; PORT is what Procfile platforms set.",
+    )
+    api_workers: int = Field(default=2, ge=1, description="gunicorn worker processes `llmq up` starts.")
+    embedded_pg_port: int = Field(default=54329, description="First port tried for the embedded Postgres.")
+    embedded_redis_port: int = Field(default=56379, description="First port tried for the embedded Redis.")
+    embedded_pg_os_user: str = Field(
+        default="nobody", description="As root, the embedded Postgres runs as this OS user."
+    )
+    url: str | None = Field(default=None, description="CLI client: the API's base URL.")
+    api_key: str | None = Field(default=None, description="CLI client: the key it sends.")
+
     @property
     def model_name(self) -> str:
         """The name clients put in `model`."""
@@ -243,3 +259,18 @@ class Settings(BaseSettings):
         if not self.redis_url:
             raise RuntimeError("LLMQ_REDIS_URL is not set (use `llmq up` for embedded stores)")
         return self.redis_url
+
+
+# `LLMQ_` names read by something other than Settings: the test suite's and fuzzer's knobs.
+NOT_SETTINGS_PREFIXES = ("LLMQ_TEST_", "LLMQ_FUZZ_")
+
+
+def unknown_environment(environ: Mapping[str, str]) -> list[str]:
+    """`LLMQ_` variables that name no setting: most likely a typo, silently ignored
+    otherwise (pydantic-settings drops unknown names)."""
+    known = {f"LLMQ_{name.upper()}" for name in Settings.model_fields}
+    return sorted(
+        name
+        for name in environ
+        if name.startswith("LLMQ_") and name not in known and not name.startswith(NOT_SETTINGS_PREFIXES)
+    )

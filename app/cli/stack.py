@@ -66,14 +66,14 @@ class Stack:
     def start_stores(self) -> None:
         database_url = self.settings.database_url
         if not database_url:
-            port = free_port(int(os.environ.get("LLMQ_EMBEDDED_PG_PORT", "54329")))
-            pg = pg_start(self.data_dir / "postgres", port, "llmq")
+            port = free_port(self.settings.embedded_pg_port)
+            pg = pg_start(self.data_dir / "postgres", port, "llmq", os_user=self.settings.embedded_pg_os_user)
             self.servers.append(pg)
             database_url = pg.url
             log.info("embedded postgres up", extra={"url": pg.url})
         redis_url = self.settings.redis_url
         if not redis_url:
-            port = free_port(int(os.environ.get("LLMQ_EMBEDDED_REDIS_PORT", "56379")))
+            port = free_port(self.settings.embedded_redis_port)
             rd = redis_start(self.data_dir / "redis", port)
             self.servers.append(rd)
             redis_url = rd.url
@@ -126,9 +126,8 @@ class Stack:
         )
 
     def start_api(self) -> None:
-        workers = int(os.environ.get("LLMQ_API_WORKERS", "2"))
         self.procs["api"] = subprocess.Popen(
-            gunicorn_argv(self.host, self.port, workers=workers),
+            gunicorn_argv(self.host, self.port, workers=self.settings.api_workers),
             env=self._child_env(),
             start_new_session=True,
         )
