@@ -208,3 +208,36 @@ def test_r2_engine_process_dies_worker_restarts(fault_stack: FaultStack, tiny_mo
     done = fault_stack.wait_batch(batch, timeout=300)
     assert done["status"] == "completed" and done["request_counts"]["completed"] == 200
     fault_stack.inv(batch, 200)
+
+
+def _gone_within(pids: dict[int, str], timeout: float) -> dict[int, str]:
+    """Those of `pids` still alive (zombies count as gone) after up to `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = {}
+        for pid, name in pids.items():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    alive[pid] = name
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        time.sleep(0.1)
+
+
+def test_r13_kill_9_of_a_worker_takes_its_engine_processes_with_it(
+    fault_stack: FaultStack, tiny_model: Path
+) -> None:
+    worker = WorkerProcess(
+        stack_env(fault_stack.stores, tiny_model, MODEL), fault_stack.logs / "r13.log"
+    ).start()
+    fault_stack.workers.append(worker)
+    assert worker.proc is not None
+    engine = {p.pid: " ".join(p.cmdline()) for p in psutil.Process(worker.proc.pid).children(recursive=True)}
+    assert any("EngineCore" in name for name in engine.values()), engine
+    os.kill(worker.proc.pid, signal.SIGKILL)  # the main process only, not its process group
+    worker.proc.wait()
+    left = _gone_within(engine, 10)
+    for pid in left:  # a failed run must not leave them behind either
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    assert not left, f"engine processes alive 10 s after the worker's kill -9: {left}"
