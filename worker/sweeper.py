@@ -18,6 +18,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from redis.exceptions import RedisError
+
 from app.db import Database
 from app.events import JobEvents, end_event
 from app.models import JobStatus
@@ -113,7 +115,11 @@ class Sweeper:
         return sorted(self._absent(owners)) if owners else []
 
     def _release_gone_owners(self, report: SweepReport) -> list[Expired]:
-        gone = self._gone_owners()
+        try:
+            gone = self._gone_owners()
+        except RedisError as exc:  # the leases still end: the other rules go on
+            log.warning("presence check failed", extra={"error": f"{type(exc).__name__}: {exc}"})
+            return []
         if not gone:
             return []
         released = self._store.release_owned_by(gone, self._max_attempts)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from redis import Redis
+from redis.exceptions import ResponseError
 from sqlalchemy import text
 
 from app.db import Database
@@ -52,7 +53,10 @@ def absent_workers(redis: Redis[bytes], names: list[str], ttl_seconds: float) ->
     presence's lifetime to write theirs again."""
     if not names:
         return set()
-    uptime = redis.info("server").get("uptime_in_seconds")
+    try:
+        uptime = redis.info("server").get("uptime_in_seconds")
+    except ResponseError:  # INFO refused (some managed Redis): a lapse is not told apart
+        return set()  # from a restart, so the leases decide
     if isinstance(uptime, int) and uptime < 2 * ttl_seconds:
         return set()
     values = redis.mget([PRESENCE_KEY.format(name=n) for n in names])

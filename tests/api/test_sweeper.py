@@ -11,8 +11,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import redis
 from sqlalchemy import text
 
+from app.cli.embedded import free_port, redis_start
 from app.queue import UNACKED, UNACKED_INDEX, queue_name
 from app.services.health import absent_workers, mark_present
 from tests.api.test_store import queued, response
@@ -172,3 +174,18 @@ def test_a_gone_worker_is_noticed_between_full_rounds(services) -> None:
     finally:
         sweeping.stop()
     assert [lost] in [args for _, _, args in waiting(services)]
+
+
+def test_right_after_a_redis_restart_no_worker_counts_as_gone(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A restarted Redis has lost every presence with its data: none lapsed. Until live
+    workers have had the time to write theirs again, nobody's jobs are taken away."""
+    server = redis_start(tmp_path / "redis", free_port(56900), persistent=False)
+    try:
+        fresh = redis.Redis.from_url(server.url)
+        assert absent_workers(fresh, ["w-unknown"], 5.0) == set()
+        deadline = time.monotonic() + 10
+        while absent_workers(fresh, ["w-unknown"], 0.4) != {"w-unknown"}:  # up 0.8 s: counted
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+    finally:
+        server.stop()
