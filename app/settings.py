@@ -213,6 +213,12 @@ class Settings(BaseSettings):
     )
     sse_heartbeat_seconds: float = Field(default=15.0, gt=0, description="Keep-alive comment interval.")
     worker_heartbeat_seconds: float = Field(default=5.0, gt=0)
+    worker_presence_ttl_seconds: float = Field(
+        default=5.0,
+        gt=0,
+        description="A worker refreshes its presence five times within this; once it lapses "
+        "(the worker died), its running jobs are re-queued without waiting for their leases.",
+    )
     shutdown_grace_seconds: float = Field(
         default=20.0, ge=0, description="On SIGTERM, how long running jobs may finish."
     )

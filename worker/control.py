@@ -1,4 +1,5 @@
-"""Background threads of a worker: cancel listener, lease keeper, registry heartbeat."""
+"""Background threads of a worker: cancel listener, lease keeper, registry heartbeat,
+presence."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 from redis import Redis
 
 from app.events import CANCEL_CHANNEL
-from app.services.health import register_worker, unregister_worker
+from app.services.health import mark_absent, mark_present, register_worker, unregister_worker
 from worker.runner import JobRunner
 from worker.store import JobStore
 
@@ -148,3 +149,24 @@ class RegistryHeartbeat(_Periodic):
         super().stop()
         with contextlib.suppress(Exception):  # best effort on the way out
             unregister_worker(self._redis, self._name)
+
+
+class Presence(_Periodic):
+    """Says this process is alive, consuming or not, on a thread that does nothing else
+    (the heartbeat's broker ping can take seconds). Written five times per lifetime, so a
+    live worker's presence lapses only after four writes in a row are late or lost; once
+    it lapses the sweeper hands this worker's running jobs to others."""
+
+    def __init__(self, redis: Redis[bytes], name: str, ttl_seconds: float) -> None:
+        super().__init__("llmq-presence", ttl_seconds / 5)
+        self._redis = redis
+        self._name = name
+        self._ttl = ttl_seconds
+
+    def tick(self) -> None:
+        mark_present(self._redis, self._name, self._ttl)
+
+    def stop(self) -> None:
+        super().stop()
+        with contextlib.suppress(Exception):  # best effort: it lapses by itself
+            mark_absent(self._redis, self._name)

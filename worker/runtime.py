@@ -18,11 +18,11 @@ from app.db import Database
 from app.events import JobEvents
 from app.queue import JobQueue, create_producer
 from app.services.batch_lifecycle import BatchLifecycle
-from app.services.health import live_capacity
+from app.services.health import absent_workers, live_capacity
 from app.services.sandbox import ConstraintSandbox
 from app.settings import Settings
 from worker.batches import BatchScheduler
-from worker.control import CancelListener, LeaseKeeper, RegistryHeartbeat
+from worker.control import CancelListener, LeaseKeeper, Presence, RegistryHeartbeat
 from worker.engine import Engine, InstantEngine
 from worker.leader import LeaseLock
 from worker.loop import LoopThread
@@ -146,6 +146,8 @@ class WorkerRuntime:
             grace_seconds=settings.requeue_grace_seconds,
             interval_seconds=settings.sweeper_interval_seconds,
             lock=LeaseLock(self.redis, "sweeper", self.name, lease_seconds=LEADER_LEASE_SECONDS),
+            absent=self._absent,
+            presence_check_seconds=settings.worker_presence_ttl_seconds / 5,
         )
         self.batches = BatchScheduler(
             LeaseLock(self.redis, "batches", self.name, lease_seconds=LEADER_LEASE_SECONDS),
@@ -164,7 +166,13 @@ class WorkerRuntime:
         self.heartbeat = RegistryHeartbeat(
             self.redis, self.name, self.info, consuming, settings.worker_heartbeat_seconds
         )
+        self.presence = Presence(self.redis, self.name, settings.worker_presence_ttl_seconds)
         self._stopped = threading.Event()
+
+    def _absent(self, owners: list[str]) -> set[str]:
+        """Lease owners that are gone; never this worker, which is alive by definition."""
+        others = [owner for owner in owners if owner != self.name]
+        return absent_workers(self.redis, others, self.settings.worker_presence_ttl_seconds)
 
     def _pids(self) -> list[int]:
         return [os.getpid(), *self.engine.process_ids()]
@@ -181,6 +189,7 @@ class WorkerRuntime:
 
     def start(self) -> None:
         """Start the engine (blocks until it can serve) and the background threads."""
+        self.presence.start()  # before any job can be claimed
         self.loop.start()
         log.info("starting engine", extra={"engine": self.engine.name, "model": self.settings.model_name})
         self.loop.call(self.engine.start())
@@ -211,6 +220,7 @@ class WorkerRuntime:
     def stop(self) -> None:
         self._stopped.set()
         for part in (
+            self.presence,
             self.heartbeat,
             self.cancels,
             self.leases,

@@ -190,8 +190,37 @@ class JobStore:
     def expire_leases(self, max_attempts: int) -> list[Expired]:
         """Running jobs whose owner stopped renewing: back to the queue, or failed when
         attempts are spent, or cancelled when a cancel was asked for."""
+        return self._release(
+            "SELECT id FROM jobs WHERE status = 'running' AND lease_expires_at < now() "
+            "ORDER BY lease_expires_at LIMIT 1000 FOR UPDATE SKIP LOCKED",
+            {"max_attempts": max_attempts},
+        )
+
+    def running_owners(self) -> list[str]:
+        """The workers holding running jobs."""
+        with self._db.session() as s:
+            return list(
+                s.scalars(
+                    select(Job.lease_owner)
+                    .where(Job.status == _RUNNING, Job.lease_owner.is_not(None))
+                    .distinct()
+                )
+            )
+
+    def release_owned_by(self, owners: list[str], max_attempts: int) -> list[Expired]:
+        """Running jobs of workers known to be gone, as their leases ending would (the new
+        claim's epoch fences off the old owner, should it be alive after all)."""
+        if not owners:
+            return []
+        return self._release(
+            "SELECT id FROM jobs WHERE status = 'running' AND lease_owner = ANY(:owners) "
+            "LIMIT 1000 FOR UPDATE SKIP LOCKED",
+            {"max_attempts": max_attempts, "owners": owners},
+        )
+
+    def _release(self, which: str, params: dict[str, Any]) -> list[Expired]:
         sql = text(
-            """
+            f"""
             UPDATE jobs SET
               status = CASE
                 WHEN cancel_requested_at IS NOT NULL THEN 'cancelled'
@@ -208,14 +237,12 @@ class JobStore:
                   'type', 'worker_lost', 'param', NULL, 'code', 'attempts_exhausted'))
                 ELSE error END,
               lease_owner = NULL, lease_expires_at = NULL, enqueued_at = NULL
-            WHERE id IN (
-              SELECT id FROM jobs WHERE status = 'running' AND lease_expires_at < now()
-              ORDER BY lease_expires_at LIMIT 1000 FOR UPDATE SKIP LOCKED)
+            WHERE id IN ({which})
             RETURNING id, status, model, priority, batch_id, epoch, error
-            """
+            """  # noqa: S608 - `which` is one of two constant statements above
         )
         with self._db.session() as s:
-            rows = s.execute(sql, {"max_attempts": max_attempts}).all()
+            rows = s.execute(sql, params).all()
         return [Expired(*r) for r in rows]
 
     def stale_queued(self, grace_seconds: float, limit: int = 1000) -> list[tuple[Expired, bool]]:

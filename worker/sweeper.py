@@ -1,15 +1,24 @@
 """Recovery of abandoned work, run by every worker, acted on by one at a time.
 
-Each round: running jobs whose lease expired go back to the queue (or end `failed` when
-their attempts are spent, `cancelled` when a cancel was asked); queued jobs with no live
-message (never sent, released, or lost with a Redis restart) are sent again.
+Each round: running jobs whose lease expired, or whose lease owner is gone (its presence
+lapsed: killed, crashed), go back to the queue (or end `failed` when their attempts are
+spent, `cancelled` when a cancel was asked); queued jobs with no live message (never sent,
+released, or lost with a Redis restart) are sent again.
+
+A gone owner is looked for every `presence_check_seconds`, between full rounds, so its jobs
+run again within seconds rather than after their leases. Should the owner be alive after
+all (paused, its presence writes late), the new claim's epoch fences it off.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+
+from redis.exceptions import RedisError
 
 from app.db import Database
 from app.events import JobEvents, end_event
@@ -28,6 +37,7 @@ class SweepReport:
     cancelled: int = 0
     resent: int = 0
     unclaimed: int = 0
+    gone_workers: int = 0
 
 
 class Sweeper:
@@ -42,8 +52,14 @@ class Sweeper:
         grace_seconds: float,
         interval_seconds: float,
         lock: LeaseLock,
+        absent: Callable[[list[str]], set[str]] | None = None,
+        presence_check_seconds: float | None = None,
     ) -> None:
+        """`absent` says which of the given lease owners are gone (None: owners are only
+        given up on when their leases end)."""
         self._lock = lock
+        self._absent = absent
+        self._presence_check = presence_check_seconds or interval_seconds
         self._db = db
         self._store = store
         self._queue = queue
@@ -60,7 +76,8 @@ class Sweeper:
             if not mine:
                 return report
             requeued = set()
-            for job in self._store.expire_leases(self._max_attempts):
+            released = self._release_gone_owners(report)
+            for job in [*released, *self._store.expire_leases(self._max_attempts)]:
                 if job.status == JobStatus.QUEUED.value:
                     report.requeued += 1
                     requeued.add(job.job_id)
@@ -90,6 +107,27 @@ class Sweeper:
         if any(vars(report).values()):
             log.info("sweep", extra=vars(report))
         return report
+
+    def _gone_owners(self) -> list[str]:
+        if self._absent is None:
+            return []
+        owners = self._store.running_owners()
+        return sorted(self._absent(owners)) if owners else []
+
+    def _release_gone_owners(self, report: SweepReport) -> list[Expired]:
+        try:
+            gone = self._gone_owners()
+        except RedisError as exc:  # the leases still end: the other rules go on
+            log.warning("presence check failed", extra={"error": f"{type(exc).__name__}: {exc}"})
+            return []
+        if not gone:
+            return []
+        released = self._store.release_owned_by(gone, self._max_attempts)
+        report.gone_workers = len(gone)
+        log.warning(
+            "workers gone; their running jobs released", extra={"workers": gone, "jobs": len(released)}
+        )
+        return released
 
     def _reclaim_unclaimed(self, requeued: set[str]) -> int:
         """Deliveries older than the grace whose jobs are still queued: the worker that
@@ -128,9 +166,12 @@ class Sweeper:
         return gone
 
     def _loop(self) -> None:
-        while not self._stop.wait(self._interval):
+        due = time.monotonic() + self._interval
+        while not self._stop.wait(min(self._interval, self._presence_check)):
             try:
-                self.sweep_once()
+                if time.monotonic() >= due or self._gone_owners():
+                    due = time.monotonic() + self._interval
+                    self.sweep_once()
             except Exception as exc:  # noqa: BLE001 - Postgres or Redis down: try next round
                 log.warning("sweep failed", extra={"error": f"{type(exc).__name__}: {exc}"})
 

@@ -44,6 +44,13 @@ class VllmEngine:
         self._byte_decoder: dict[str, int] | None = None
 
     async def start(self) -> None:
+        from worker.vllm_plugin import arm_children
+
+        # The engine's processes die with this one, even under `kill -9` (they would
+        # otherwise keep the KV cache and a core). The kernel signals on the exit of the
+        # parent *thread*, so the thread starting them must live as long as this process:
+        # this runs on the worker's loop thread, which runs until the worker stops.
+        arm_children()
         from vllm.config import StructuredOutputsConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform

@@ -44,12 +44,17 @@ def _package_dir(name: str) -> Path:
     return Path(spec.origin).parent
 
 
-def _die_with_parent(sig: int) -> Callable[[], None]:
-    """The kernel sends `sig` to the child when its parent dies, even by SIGKILL (Linux)."""
+def die_with_parent(sig: int) -> Callable[[], None]:
+    """A `preexec_fn`: the kernel sends `sig` to the child when its parent dies, even by
+    SIGKILL (Linux). The parent is the thread that starts the child: start children from
+    one that lives as long as the process (`llmq up` starts them all from its main thread)."""
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    parent = os.getpid()
 
     def _set() -> None:
         libc.prctl(1, sig, 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # it died before the signal was armed
+            os._exit(1)
 
     return _set
 
@@ -236,7 +241,7 @@ def pg_start(
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=_die_with_parent(signal.SIGINT),  # noqa: PLW1509 - prctl only, no locks
+            preexec_fn=die_with_parent(signal.SIGINT),  # noqa: PLW1509 - prctl only, no locks
             **_pg_run_as(os_user),
         )
     deadline = time.monotonic() + timeout
@@ -308,7 +313,7 @@ def redis_start(datadir: Path, port: int, timeout: float = 30.0, *, persistent: 
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
-        preexec_fn=_die_with_parent(signal.SIGTERM),  # noqa: PLW1509
+        preexec_fn=die_with_parent(signal.SIGTERM),  # noqa: PLW1509
     )
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -10,11 +10,12 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 
-from app.cli.embedded import Server, free_port, pg_start, redis_start
+from app.cli.embedded import Server, die_with_parent, free_port, pg_start, redis_start
 from app.serve import gunicorn_argv
 from app.settings import Settings
 
@@ -33,6 +34,37 @@ def run_migrations(database_url: str) -> None:
     cfg.attributes["url"] = database_url
     cfg.attributes["configure_logger"] = False
     command.upgrade(cfg, "head")
+
+
+class Backoff:
+    """The restart delay of one supervised child: `first`, doubling with each exit up to
+    `cap`, and back to `first` once the child has stayed up `healthy` seconds (a crash a
+    day must not inherit the delay of a crash loop last week)."""
+
+    def __init__(
+        self,
+        first: float = 1.0,
+        cap: float = 30.0,
+        healthy: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._first = first
+        self._cap = cap
+        self._healthy = healthy
+        self._clock = clock
+        self._delay = first
+        self._started = clock()
+
+    def started(self) -> None:
+        self._started = self._clock()
+
+    def exited(self) -> float:
+        """The child exited: how long to wait before starting it again."""
+        if self._clock() - self._started >= self._healthy:
+            self._delay = self._first
+        delay = self._delay
+        self._delay = min(delay * 2, self._cap)
+        return delay
 
 
 class Stack:
@@ -55,6 +87,7 @@ class Stack:
         self.env: dict[str, str] = {}
         self.api_key = ""
         self._stopping = threading.Event()
+        self._backoff = {"worker": Backoff(), "api": Backoff()}
 
     @property
     def base_url(self) -> str:
@@ -120,17 +153,29 @@ class Stack:
     def _child_env(self) -> dict[str, str]:
         return {**os.environ, **self._extra_env, **self.env, "PYTHONUNBUFFERED": "1"}
 
+    # Like the stores, the worker and the API die with `llmq up`, even by `kill -9`, so
+    # nothing is left holding the port or the engine. The worker is killed outright: its
+    # stores go down with it, so a drain could save nothing, and its engine processes die
+    # with it in turn; its jobs are handed on when a worker runs again. The API (gunicorn)
+    # gets SIGINT, its quick shutdown, instead of waiting out open streams.
+
     def start_worker(self) -> None:
         self.procs["worker"] = subprocess.Popen(
-            [sys.executable, "-m", "worker"], env=self._child_env(), start_new_session=True
+            [sys.executable, "-m", "worker"],
+            env=self._child_env(),
+            start_new_session=True,
+            preexec_fn=die_with_parent(signal.SIGKILL),  # noqa: PLW1509 - prctl only, no locks
         )
+        self._backoff["worker"].started()
 
     def start_api(self) -> None:
         self.procs["api"] = subprocess.Popen(
             gunicorn_argv(self.host, self.port, workers=self.settings.api_workers),
             env=self._child_env(),
             start_new_session=True,
+            preexec_fn=die_with_parent(signal.SIGINT),  # noqa: PLW1509
         )
+        self._backoff["api"].started()
 
     def wait_ready(self, timeout: float) -> bool:
         """Poll /readyz until the API, stores and a consuming worker all answer."""
@@ -160,17 +205,20 @@ class Stack:
 
     def supervise(self, stop: threading.Event) -> None:
         """Restart a worker or API process that dies (an engine crash exits the worker
-        on purpose), with a growing delay, until `stop` is set."""
-        delay = 1.0
-        while not stop.wait(1.0):
+        on purpose), each after its own growing delay, until `stop` is set. Runs on the
+        thread that started the children: their parent-death signal is tied to it."""
+        restart_at: dict[str, float] = {}
+        while not stop.wait(0.5):
             for name, proc in list(self.procs.items()):
                 if proc.poll() is None:
                     continue
-                print(f"{name} exited with {proc.returncode}; restarting in {delay:.0f}s", flush=True)
-                if stop.wait(delay):
-                    return
-                (self.start_worker if name == "worker" else self.start_api)()
-                delay = min(delay * 2, 30.0)
+                if name not in restart_at:
+                    delay = self._backoff[name].exited()
+                    print(f"{name} exited with {proc.returncode}; restarting in {delay:.0f}s", flush=True)
+                    restart_at[name] = time.monotonic() + delay
+                elif time.monotonic() >= restart_at[name]:
+                    del restart_at[name]
+                    (self.start_worker if name == "worker" else self.start_api)()
 
     def stop(self) -> None:
         """API first (no new work), then the worker (drains), then the stores."""

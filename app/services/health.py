@@ -12,12 +12,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from redis import Redis
+from redis.exceptions import ResponseError
 from sqlalchemy import text
 
 from app.db import Database
 
 WORKER_KEY = "llmq:worker:{name}"
 WORKER_PATTERN = "llmq:worker:*"
+# A worker process's presence: refreshed by a thread of its own while the process lives,
+# consuming or not (the registry entry above comes and goes with consuming). The sweeper
+# re-queues the running jobs of a worker whose presence lapsed.
+PRESENCE_KEY = "llmq:alive:{name}"
 
 
 @dataclass
@@ -32,6 +37,30 @@ def register_worker(redis: Redis[bytes], name: str, info: dict[str, Any], ttl_se
 
 def unregister_worker(redis: Redis[bytes], name: str) -> None:
     redis.delete(WORKER_KEY.format(name=name))
+
+
+def mark_present(redis: Redis[bytes], name: str, ttl_seconds: float) -> None:
+    redis.set(PRESENCE_KEY.format(name=name), b"1", px=max(1, int(ttl_seconds * 1000)))
+
+
+def mark_absent(redis: Redis[bytes], name: str) -> None:
+    redis.delete(PRESENCE_KEY.format(name=name))
+
+
+def absent_workers(redis: Redis[bytes], names: list[str], ttl_seconds: float) -> set[str]:
+    """Those of `names` whose presence lapsed. Right after a Redis restart every presence
+    is gone with the data, not lapsed: none is reported until live workers have had a
+    presence's lifetime to write theirs again."""
+    if not names:
+        return set()
+    try:
+        uptime = redis.info("server").get("uptime_in_seconds")
+    except ResponseError:  # INFO refused (some managed Redis): a lapse is not told apart
+        return set()  # from a restart, so the leases decide
+    if isinstance(uptime, int) and uptime < 2 * ttl_seconds:
+        return set()
+    values = redis.mget([PRESENCE_KEY.format(name=n) for n in names])
+    return {name for name, value in zip(names, values, strict=True) if value is None}
 
 
 def live_workers(redis: Redis[bytes]) -> list[dict[str, Any]]:

@@ -1,18 +1,25 @@
 """The sweeper against real Postgres and a real broker: a message that a worker took and
-never claimed (it died first) is sent again, not left for the visibility timeout."""
+never claimed (it died first) is sent again, not left for the visibility timeout; the
+running jobs of a worker that is gone are sent again at once, not after their leases."""
 
 from __future__ import annotations
 
 import base64
 import json
+import secrets
 import time
+from collections.abc import Callable
+from typing import Any
 
+import redis
 from sqlalchemy import text
 
+from app.cli.embedded import free_port, redis_start
 from app.queue import UNACKED, UNACKED_INDEX, queue_name
-from tests.api.test_store import queued
+from app.services.health import absent_workers, mark_present
+from tests.api.test_store import queued, response
 from worker.leader import LeaseLock
-from worker.store import JobStore
+from worker.store import JobStore, Result
 from worker.sweeper import Sweeper
 
 
@@ -42,7 +49,7 @@ def take_message(services, job_id: str) -> str:  # type: ignore[no-untyped-def]
     raise AssertionError(f"no message for {job_id}")
 
 
-def sweeper(services) -> Sweeper:  # type: ignore[no-untyped-def]
+def sweeper(services, interval: float = 1, **presence: Any) -> Sweeper:  # type: ignore[no-untyped-def]
     lock = LeaseLock(services.redis, f"sweeper-test-{time.time()}", "me", lease_seconds=5)
     return Sweeper(
         services.db,
@@ -51,8 +58,9 @@ def sweeper(services) -> Sweeper:  # type: ignore[no-untyped-def]
         services.events,
         max_attempts=3,
         grace_seconds=30,
-        interval_seconds=1,
+        interval_seconds=interval,
         lock=lock,
+        **presence,
     )
 
 
@@ -115,3 +123,69 @@ def test_a_job_waiting_behind_a_backlog_is_not_sent_twice(services) -> None:
     sweeper(services).sweep_once()
 
     assert [args for _, _, args in waiting(services)].count([job_id]) == 1
+
+
+def among(services, prefix: str) -> Callable[[list[str]], set[str]]:  # type: ignore[no-untyped-def]
+    """The registry's answer for this test's workers (other tests' rows share the database)."""
+    return lambda owners: absent_workers(services.redis, [o for o in owners if o.startswith(prefix)], 5.0)
+
+
+def status(services, job_id: str) -> tuple[str, int, str | None]:  # type: ignore[no-untyped-def]
+    with services.db.session() as s:
+        row = s.execute(
+            text("SELECT status, epoch, lease_owner FROM jobs WHERE id = :i"), {"i": job_id}
+        ).one()
+    return row.status, row.epoch, row.lease_owner
+
+
+def test_a_gone_workers_running_jobs_are_sent_again_before_their_leases_end(services) -> None:
+    prefix = f"w-{secrets.token_hex(3)}-"
+    gone, alive = f"{prefix}gone", f"{prefix}alive"
+    store = JobStore(services.db)
+    lost, kept = queued(services, 2)
+    store.claim_many([lost], gone, 300, 3)
+    store.claim_many([kept], alive, 300, 3)
+    mark_present(services.redis, alive, 60)  # `gone` never refreshes its presence again
+
+    report = sweeper(services, absent=among(services, prefix)).sweep_once()
+
+    assert report.gone_workers == 1 and report.requeued == 1
+    assert status(services, lost) == ("queued", 1, None)
+    assert status(services, kept) == ("running", 1, alive)
+    assert [lost] in [args for _, _, args in waiting(services)]  # sent again
+    # Another worker takes it over; should the old owner be alive after all, it is fenced.
+    assert store.claim(lost, f"{prefix}other", 300, 3) is not None
+    assert store.finish_many([Result(lost, 1, "succeeded", response=response("stale"))]) == set()
+    assert status(services, lost) == ("running", 2, f"{prefix}other")
+
+
+def test_a_gone_worker_is_noticed_between_full_rounds(services) -> None:
+    prefix = f"w-{secrets.token_hex(3)}-"
+    (lost,) = queued(services, 1)
+    JobStore(services.db).claim_many([lost], f"{prefix}gone", 300, 3)
+    # A full round only every minute; the gone owner is looked for every 0.2 s.
+    sweeping = sweeper(services, interval=60, absent=among(services, prefix), presence_check_seconds=0.2)
+    started = time.monotonic()
+    sweeping.start()
+    try:
+        while status(services, lost)[0] != "queued":
+            assert time.monotonic() - started < 5, "the gone worker's job was not released"
+            time.sleep(0.05)
+    finally:
+        sweeping.stop()
+    assert [lost] in [args for _, _, args in waiting(services)]
+
+
+def test_right_after_a_redis_restart_no_worker_counts_as_gone(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A restarted Redis has lost every presence with its data: none lapsed. Until live
+    workers have had the time to write theirs again, nobody's jobs are taken away."""
+    server = redis_start(tmp_path / "redis", free_port(56900), persistent=False)
+    try:
+        fresh = redis.Redis.from_url(server.url)
+        assert absent_workers(fresh, ["w-unknown"], 5.0) == set()
+        deadline = time.monotonic() + 10
+        while absent_workers(fresh, ["w-unknown"], 0.4) != {"w-unknown"}:  # up 0.8 s: counted
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+    finally:
+        server.stop()

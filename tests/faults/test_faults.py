@@ -13,6 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 import redis
+from sqlalchemy import text
 
 from app.services.health import live_workers
 from tests.conftest import auth
@@ -208,3 +209,78 @@ def test_r2_engine_process_dies_worker_restarts(fault_stack: FaultStack, tiny_mo
     done = fault_stack.wait_batch(batch, timeout=300)
     assert done["status"] == "completed" and done["request_counts"]["completed"] == 200
     fault_stack.inv(batch, 200)
+
+
+def _gone_within(pids: dict[int, str], timeout: float) -> dict[int, str]:
+    """Those of `pids` still alive (zombies count as gone) after up to `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = {}
+        for pid, name in pids.items():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    alive[pid] = name
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        time.sleep(0.1)
+
+
+def test_r13_kill_9_of_a_worker_takes_its_engine_processes_with_it(
+    fault_stack: FaultStack, tiny_model: Path
+) -> None:
+    worker = WorkerProcess(
+        stack_env(fault_stack.stores, tiny_model, MODEL), fault_stack.logs / "r13.log"
+    ).start()
+    fault_stack.workers.append(worker)
+    assert worker.proc is not None
+    engine = {p.pid: " ".join(p.cmdline()) for p in psutil.Process(worker.proc.pid).children(recursive=True)}
+    assert any("EngineCore" in name for name in engine.values()), engine
+    os.kill(worker.proc.pid, signal.SIGKILL)  # the main process only, not its process group
+    worker.proc.wait()
+    left = _gone_within(engine, 10)
+    for pid in left:  # a failed run must not leave them behind either
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    assert not left, f"engine processes alive 10 s after the worker's kill -9: {left}"
+
+
+def test_r14_a_killed_workers_jobs_run_again_within_10_s(fault_stack: FaultStack) -> None:
+    """Not after their leases (30 s here, as by default): as soon as the worker's presence
+    lapses, the other worker's sweeper hands its running jobs on (default intervals)."""
+    defaults = {
+        "LLMQ_LEASE_SECONDS": "30",
+        "LLMQ_SWEEPER_INTERVAL_SECONDS": "5",
+        "LLMQ_REQUEUE_GRACE_SECONDS": "30",
+        "LLMQ_BATCH_CHUNK_SIZE": "2",
+    }
+    doomed = fault_stack.worker("r14-a", **defaults)
+    fault_stack.worker("r14-b", **defaults)
+    assert doomed.proc is not None
+    doomed_name = f"llmq-{doomed.proc.pid}@"
+    batch = fault_stack.batch(16, max_tokens=1500)  # 15 s a line: none ends before the kill
+
+    def lines(where: str) -> dict[str, tuple[str, str | None, int]]:
+        with fault_stack.services.db.session() as s:
+            result = s.execute(
+                text(f"SELECT id, status, lease_owner, epoch FROM jobs WHERE batch_id = :b AND {where}"),
+                {"b": batch},
+            )
+            return {r.id: (r.status, r.lease_owner, r.epoch) for r in result}
+
+    deadline = time.monotonic() + 30
+    while not (taken := lines(f"status = 'running' AND lease_owner LIKE '{doomed_name}%'")):
+        assert time.monotonic() < deadline, fault_stack.describe(batch)
+        time.sleep(0.1)
+    doomed.kill(signal.SIGKILL)
+    killed = time.monotonic()
+    while True:
+        now = lines("TRUE")
+        moved = {j for j in taken if now[j][0] != "queued" and not (now[j][1] or "").startswith(doomed_name)}
+        if moved == set(taken):
+            break
+        assert time.monotonic() - killed < 10, f"still with the dead worker or queued: {set(taken) - moved}"
+        time.sleep(0.1)
+    assert all(now[j][2] >= 2 for j in taken)  # claimed again, under a new epoch
+    done = fault_stack.wait_batch(batch, timeout=90)
+    assert done["status"] == "completed" and done["request_counts"]["completed"] == 16
+    fault_stack.inv(batch, 16)
