@@ -8,8 +8,6 @@ never as a default.
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -111,15 +109,10 @@ class ByteRenderer:
         return list(text.encode("utf-8"))
 
 
-CRASH_MARKER = "__llmq_test_crash__"
-
-
 class InstantEngine:
     """Answers every request at once with deterministic text; for tests and overhead
-    benchmarks only. Each output token is the word `tok` plus its position.
-
-    For fault tests: `delay` seconds per token make jobs take time, and a prompt holding
-    `CRASH_MARKER` kills the whole worker process, as a poison request might."""
+    benchmarks only. Each output token is the word `tok` plus its position; `delay`
+    seconds per token make jobs take time."""
 
     name = "instant"
     version = "0"
@@ -138,8 +131,6 @@ class InstantEngine:
             raise PromptTooLong(
                 f"prompt is {len(spec.prompt_token_ids)} tokens; the context is {self._context}"
             )
-        if CRASH_MARKER.encode() in bytes(b for b in spec.prompt_token_ids if b < 256):
-            os.kill(os.getpid(), signal.SIGKILL)
         limit = int(spec.sampling.get("max_tokens") or 16)
         prompt = len(spec.prompt_token_ids)
         for step in range(limit):

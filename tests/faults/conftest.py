@@ -36,6 +36,7 @@ from tests.integration.conftest import WorkerProcess, stack_env
 from tests.integration.conftest import tiny_model as tiny_model  # noqa: PLC0414 - a fixture, re-exported
 
 MODEL = "faulty"
+CRASHING_WORKER = "tests.faults.crashing_worker"  # the worker with a poison-prompt engine (R10)
 TERMINAL = {"completed", "failed", "expired", "cancelled"}
 
 
@@ -72,7 +73,9 @@ class FaultStack:
         }
         process_env = stack_env(self.stores, Path(MODEL), MODEL, **extra)
         process_env["LLMQ_MODEL"] = MODEL
-        worker = WorkerProcess(process_env, self.logs / f"{name}.log").start(timeout=60)
+        worker = WorkerProcess(process_env, self.logs / f"{name}.log", module=CRASHING_WORKER).start(
+            timeout=60
+        )
         self.workers.append(worker)
         return worker
 

@@ -18,8 +18,8 @@ from sqlalchemy import text
 from app.services.health import live_workers
 from tests.conftest import auth
 from tests.faults.conftest import MODEL, FaultStack
+from tests.faults.crashing_worker import CRASH_MARKER
 from tests.integration.conftest import WorkerProcess, stack_env
-from worker.engine import CRASH_MARKER
 
 pytestmark = pytest.mark.faults
 

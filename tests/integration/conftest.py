@@ -63,15 +63,16 @@ def stack_env(stores: Stores, model: Path, served_name: str, **extra: str) -> di
 class WorkerProcess:
     """`python -m worker` as a child; ready once it shows in the registry as consuming."""
 
-    def __init__(self, env: dict[str, str], log_path: Path) -> None:
+    def __init__(self, env: dict[str, str], log_path: Path, *, module: str = "worker") -> None:
         self.env = env
         self.log_path = log_path
+        self.module = module  # a test may run the worker through a launcher of its own
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 240) -> WorkerProcess:
         log = open(self.log_path, "ab")  # noqa: SIM115 - closed with the process
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "worker"],
+            [sys.executable, "-m", self.module],
             env=self.env,
             cwd=ROOT,
             stdout=log,
