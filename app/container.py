@@ -23,6 +23,7 @@ from app.services.jobs import JobService
 from app.services.keys import KeyService
 from app.services.limits import RateLimiter
 from app.services.metrics import MetricsService
+from app.services.slots import StreamSlots
 from app.services.streaming import Notifier, StreamService
 from app.settings import Settings
 
@@ -43,6 +44,7 @@ class Services:
     health: HealthService
     metrics: MetricsService
     limiter: RateLimiter
+    slots: StreamSlots
 
     @property
     def served_models(self) -> frozenset[str]:
@@ -77,8 +79,12 @@ def prompt_counter(settings: Settings) -> tuple[Callable[[ChatCompletionV2Reques
     return count, int(context) if context else None
 
 
-def build_services(settings: Settings, *, db_pool_size: int = 10) -> Services:
-    db = Database.from_url(settings.require_database_url(), pool_size=db_pool_size)
+def build_services(settings: Settings, *, db_pool_size: int | None = None) -> Services:
+    db = Database.from_url(
+        settings.require_database_url(),
+        pool_size=db_pool_size or settings.db_pool_size,
+        pool_timeout=settings.db_pool_timeout_seconds,
+    )
     redis = redis_client(settings.require_redis_url())
     queue = JobQueue(create_producer(settings), redis, marker_ttl_seconds=settings.visibility_timeout_seconds)
     events = JobEvents(redis)
@@ -97,7 +103,14 @@ def build_services(settings: Settings, *, db_pool_size: int = 10) -> Services:
         idempotency_ttl_seconds=settings.idempotency_ttl_seconds,
         max_active_per_tenant=settings.max_active_jobs_per_tenant,
     )
-    streams = StreamService(db, redis, Notifier(redis), heartbeat_seconds=settings.sse_heartbeat_seconds)
+    streams = StreamService(
+        db,
+        redis,
+        Notifier(redis),
+        keys,
+        heartbeat_seconds=settings.sse_heartbeat_seconds,
+        key_check_seconds=settings.stream_key_check_seconds,
+    )
     return Services(
         settings=settings,
         db=db,
@@ -117,4 +130,5 @@ def build_services(settings: Settings, *, db_pool_size: int = 10) -> Services:
         limiter=RateLimiter(
             redis, per_minute=settings.rate_limit_per_minute, burst=settings.rate_limit_burst
         ),
+        slots=StreamSlots(redis, per_key=settings.max_streams_per_key),
     )
