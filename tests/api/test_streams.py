@@ -371,3 +371,31 @@ def test_subscribers_of_one_job_share_one_read_per_event(app: Flask, services: S
     for r in readers:
         assert [p.split("\n")[0] for p in r.data()][:11] == [f"id: 1-{i}" for i in range(1, 12)]
         assert r.text.endswith(DONE)
+
+
+def test_a_new_attempt_resets_the_shared_log(quick_app: Flask, quick: Services) -> None:
+    """The worker of a new attempt deletes the job's log before its first event; the
+    process's shared copy must drop the old attempt too, or a subscriber joining now would
+    be replayed the dead attempt and told the stream restarted."""
+    key = new_key(quick)
+    job_id = queued_job(quick_app.test_client(), key)
+    first = Reader(quick_app.test_client(), f"/v2/jobs/{job_id}/stream", auth(key))
+    append(quick.redis, job_id, chunk("1-1", "old"))
+    append(quick.redis, job_id, chunk("1-2", "old"))
+    assert wait_until(lambda: "id: 1-2" in first.text, 5)
+    # Keeps the job's shared log alive across the reset: it waits for epoch 2.
+    waits_for_2 = auth(key) | {"Last-Event-ID": "2-0"}
+    keeper = Reader(quick_app.test_client(), f"/v2/jobs/{job_id}/stream", waits_for_2)
+    assert wait_until(lambda: ": keep-alive" in keeper.text, 5)
+
+    quick.redis.delete(job_stream(job_id))
+    append(quick.redis, job_id, chunk("2-1", "new"))
+    assert first.done.wait(5) and "stream_restarted" in first.text
+    assert wait_until(lambda: "id: 2-1" in keeper.text, 5)
+
+    late = Reader(quick_app.test_client(), f"/v2/jobs/{job_id}/stream", auth(key))
+    assert wait_until(lambda: "id: 2-1" in late.text, 5)
+    append(quick.redis, job_id, end("2-2"))
+    assert late.done.wait(5) and keeper.done.wait(5)
+    assert [p.split("\n")[0] for p in late.data()] == ["id: 2-1", "data: [DONE]"]
+    assert "old" not in late.text and "stream_restarted" not in late.text
