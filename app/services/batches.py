@@ -423,7 +423,7 @@ def to_batch_object(batch: Batch, counts: Any, model: str | None) -> BatchObject
 
 # Rows per query of a download: large enough that paging costs little, small enough that
 # no page holds a connection (or memory) for long.
-DOWNLOAD_PAGE_ROWS = 2000
+DOWNLOAD_PAGE_ROWS = 1000
 
 
 def output_lines(
