@@ -25,6 +25,7 @@ from app.services.keys import KeyService
 from app.services.limits import RateLimiter
 from app.services.metrics import MetricsService
 from app.services.sandbox import ConstraintSandbox
+from app.services.slots import StreamSlots
 from app.services.streaming import Notifier, StreamService
 from app.settings import Settings
 
@@ -48,6 +49,7 @@ class Services:
     health: HealthService
     metrics: MetricsService
     limiter: RateLimiter
+    slots: StreamSlots
     auth_failures: RateLimiter
     constraints: ConstraintSandbox | None = None
 
@@ -116,8 +118,12 @@ def model_vocab_size(settings: Settings) -> int | None:
     return int(size) if size else None
 
 
-def build_services(settings: Settings, *, db_pool_size: int = 10) -> Services:
-    db = Database.from_url(settings.require_database_url(), pool_size=db_pool_size)
+def build_services(settings: Settings, *, db_pool_size: int | None = None) -> Services:
+    db = Database.from_url(
+        settings.require_database_url(),
+        pool_size=db_pool_size or settings.db_pool_size,
+        pool_timeout=settings.db_pool_timeout_seconds,
+    )
     redis = redis_client(settings.require_redis_url())
     queue = JobQueue(create_producer(settings), redis, marker_ttl_seconds=settings.visibility_timeout_seconds)
     events = JobEvents(redis)
@@ -144,7 +150,14 @@ def build_services(settings: Settings, *, db_pool_size: int = 10) -> Services:
         idempotency_ttl_seconds=settings.idempotency_ttl_seconds,
         max_active_per_tenant=settings.max_active_jobs_per_tenant,
     )
-    streams = StreamService(db, redis, Notifier(redis), heartbeat_seconds=settings.sse_heartbeat_seconds)
+    streams = StreamService(
+        db,
+        redis,
+        Notifier(redis),
+        keys,
+        heartbeat_seconds=settings.sse_heartbeat_seconds,
+        key_check_seconds=settings.stream_key_check_seconds,
+    )
     return Services(
         settings=settings,
         db=db,
@@ -176,4 +189,5 @@ def build_services(settings: Settings, *, db_pool_size: int = 10) -> Services:
             scope="authfail",
             subject_name="failed authentications per minute reached for this client address",
         ),
+        slots=StreamSlots(redis, per_key=settings.max_streams_per_key),
     )

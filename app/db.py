@@ -17,7 +17,7 @@ def normalize_url(url: str) -> str:
     return url
 
 
-def create_db_engine(url: str, *, pool_size: int = 10) -> Engine:
+def create_db_engine(url: str, *, pool_size: int = 10, pool_timeout: float = 30.0) -> Engine:
     # No pre-ping: it doubles the round trips of every short transaction. A connection
     # that died with a restart fails its statement, SQLAlchemy invalidates the pool, and
     # callers retry (see worker.runner.JobRunner._persist).
@@ -25,6 +25,7 @@ def create_db_engine(url: str, *, pool_size: int = 10) -> Engine:
         normalize_url(url),
         pool_size=pool_size,
         max_overflow=pool_size,
+        pool_timeout=pool_timeout,
         pool_recycle=1800,
     )
 
@@ -37,8 +38,8 @@ class Database:
         self._sessions = sessionmaker(engine, expire_on_commit=False)
 
     @classmethod
-    def from_url(cls, url: str, *, pool_size: int = 10) -> Database:
-        return cls(create_db_engine(url, pool_size=pool_size))
+    def from_url(cls, url: str, *, pool_size: int = 10, pool_timeout: float = 30.0) -> Database:
+        return cls(create_db_engine(url, pool_size=pool_size, pool_timeout=pool_timeout))
 
     @contextmanager
     def session(self) -> Iterator[Session]:

@@ -75,8 +75,10 @@ class RateLimited(LlmqError):
     type = "rate_limit_error"
     default_code = "rate_limit_exceeded"
 
-    def __init__(self, message: str, *, retry_after: float, param: str | None = None) -> None:
-        super().__init__(message, param=param)
+    def __init__(
+        self, message: str, *, retry_after: float, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message, param=param, code=code)
         self.retry_after = retry_after
 
 
@@ -84,6 +86,17 @@ class ServiceUnavailable(LlmqError):
     status = 503
     type = "service_unavailable_error"
     default_code = "service_unavailable"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        retry_after: float | None = None,
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message, param=param, code=code)
+        self.retry_after = retry_after
 
 
 class EngineError(LlmqError):

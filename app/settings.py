@@ -167,6 +167,9 @@ class Settings(BaseSettings):
         ge=0,
         description="Unfinished batch lines per tenant, checked at batch creation; 0: no cap.",
     )
+    max_streams_per_key: int = Field(
+        default=32, ge=0, description="SSE streams and file downloads open at once per key; 0: no cap."
+    )
     idempotency_ttl_seconds: int = Field(
         default=24 * 3600, ge=60, description="How long an Idempotency-Key holds."
     )
@@ -212,6 +215,15 @@ class Settings(BaseSettings):
         default=300.0, ge=0, description="How long /v1/chat/completions waits before answering 202."
     )
     sse_heartbeat_seconds: float = Field(default=15.0, gt=0, description="Keep-alive comment interval.")
+    stream_key_check_seconds: float = Field(
+        default=5.0, gt=0, description="How often an open stream re-checks that its key is still valid."
+    )
+    db_pool_size: int = Field(
+        default=10, ge=1, description="Pooled Postgres connections per API process (as many again overflow)."
+    )
+    db_pool_timeout_seconds: float = Field(
+        default=10.0, gt=0, description="How long a request waits for a pooled connection before a 503."
+    )
     worker_heartbeat_seconds: float = Field(default=5.0, gt=0)
     worker_presence_ttl_seconds: float = Field(
         default=5.0,

@@ -5,9 +5,10 @@ from __future__ import annotations
 import logging
 
 from flask import Flask, Response, jsonify
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
-from app.errors import LlmqError, PayloadTooLarge, RateLimited
+from app.errors import LlmqError, PayloadTooLarge, RateLimited, ServiceUnavailable
 
 log = logging.getLogger("llmq.api")
 
@@ -23,7 +24,7 @@ _HTTP_TYPES = {
 def render(exc: LlmqError) -> Response:
     response = jsonify(exc.body())
     response.status_code = exc.status
-    if isinstance(exc, RateLimited):
+    if isinstance(exc, RateLimited | ServiceUnavailable) and exc.retry_after is not None:
         response.headers["Retry-After"] = str(max(1, round(exc.retry_after)))
     if exc.status == 401:
         response.headers["WWW-Authenticate"] = 'Bearer realm="llmq"'
@@ -39,6 +40,13 @@ def register(app: Flask) -> None:
     def _too_large(exc: RequestEntityTooLarge) -> Response:
         limit = app.config.get("MAX_CONTENT_LENGTH")
         return render(PayloadTooLarge(f"request body exceeds the limit of {limit} bytes"))
+
+    @app.errorhandler(PoolTimeout)
+    def _pool_exhausted(exc: PoolTimeout) -> Response:
+        # Every pooled connection is busy: the client is not at fault and a retry soon
+        # will likely succeed, so this is a 503 with Retry-After, never a 500.
+        log.warning("database pool exhausted")
+        return render(ServiceUnavailable("the service is busy; retry shortly", retry_after=2, code="busy"))
 
     @app.errorhandler(HTTPException)
     def _http(exc: HTTPException) -> Response:

@@ -63,7 +63,11 @@ def get_file(file_id: str) -> Response:
 
 @bp.get("/v1/files/<file_id>/content")
 def file_content(file_id: str) -> Response:
-    f, body = services().files.content(principal(), file_id)
+    s = services()
+    slot = s.slots.acquire(principal().key_id)
+    with s.slots.released_on_error(slot):
+        f, lines = s.files.content(principal(), file_id)
+    body = s.slots.attach(slot, lines)
     response = Response(stream_with_context(body), mimetype="application/jsonl")
     response.headers["Content-Disposition"] = content_disposition(f.filename)
     return response

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from flask import Blueprint, Response, jsonify, request
 
-from app.api.chat import sse_response
+from app.api.chat import sse_response, take_slot
 from app.api.deps import authenticate, idempotency, json_body, principal, services
 from app.errors import InvalidRequest
 
@@ -50,13 +50,15 @@ def cancel_job(job_id: str) -> Response:
 def stream_job(job_id: str) -> Response:
     """SSE: the backlog, then live events; `Last-Event-ID` resumes after an event."""
     include = request.args.get("include_usage")
-    body = services().streams.open_stream(
-        principal(),
-        job_id,
-        request.headers.get("Last-Event-ID") or request.args.get("last_event_id"),
-        include_usage=None if include is None else include.lower() in ("1", "true", "yes"),
-    )
-    return sse_response(body, job_id)
+    slot = take_slot()
+    with services().slots.released_on_error(slot):
+        body = services().streams.open_stream(
+            principal(),
+            job_id,
+            request.headers.get("Last-Event-ID") or request.args.get("last_event_id"),
+            include_usage=None if include is None else include.lower() in ("1", "true", "yes"),
+        )
+    return sse_response(body, job_id, slot)
 
 
 @bp.get("/v2/jobs/<job_id>/events")

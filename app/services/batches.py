@@ -442,9 +442,18 @@ def to_batch_object(batch: Batch, counts: Any, model: str | None) -> BatchObject
 # --- output and error files ------------------------------------------------------------
 
 
-def output_lines(db: Database, batch_id: str, part: str) -> Iterator[bytes]:
+# Rows per query of a download: large enough that paging costs little, small enough that
+# no page holds a connection (or memory) for long.
+DOWNLOAD_PAGE_ROWS = 1000
+
+
+def output_lines(
+    db: Database, batch_id: str, part: str, *, page: int = DOWNLOAD_PAGE_ROWS
+) -> Iterator[bytes]:
     """The batch's output (`part` "output": succeeded lines) or error file ("errors": the
-    rest), generated from its job rows in input order, read in pages."""
+    rest), generated from its job rows in input order. Read in pages of `page` rows, each
+    its own short query (keyset on the line number), so a slow reader holds no pooled
+    connection between pages."""
     statuses = (
         [JobStatus.SUCCEEDED.value]
         if part == "output"
@@ -454,14 +463,21 @@ def output_lines(db: Database, batch_id: str, part: str) -> Iterator[bytes]:
             JobStatus.EXPIRED.value,
         ]
     )
-    q = (
-        select(Job.id, Job.custom_id, Job.status, Job.response, Job.error)
-        .where(Job.batch_id == batch_id, Job.status.in_(statuses))
-        .order_by(Job.line_no)
-    )
-    with db.engine.connect() as conn:
-        for row in conn.execution_options(stream_results=True, yield_per=1000).execute(q):
-            yield (json.dumps(output_line(*row), ensure_ascii=False) + "\n").encode("utf-8")
+    after = -1
+    while True:
+        q = (
+            select(Job.line_no, Job.id, Job.custom_id, Job.status, Job.response, Job.error)
+            .where(Job.batch_id == batch_id, Job.status.in_(statuses), Job.line_no > after)
+            .order_by(Job.line_no)
+            .limit(page)
+        )
+        with db.engine.connect() as conn:
+            rows = conn.execute(q).all()
+        for row in rows:
+            yield (json.dumps(output_line(*row[1:]), ensure_ascii=False) + "\n").encode("utf-8")
+        if len(rows) < page:
+            return
+        after = rows[-1].line_no
 
 
 def output_line(job_id: str, custom_id: str, status: str, response: Any, error: Any) -> dict[str, Any]:

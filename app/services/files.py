@@ -30,7 +30,7 @@ from app.schemas.batches import (
     FileList,
     FileObject,
 )
-from app.services.batches import output_lines
+from app.services.batches import DOWNLOAD_PAGE_ROWS, output_lines
 from app.services.contract import RequestPolicy
 from app.services.keys import Principal
 from app.services.parsing import check_depth, decode_json, describe, error_param
@@ -317,11 +317,21 @@ class FileService:
             return f, output_lines(self._db, f.batch_id, f.batch_part)
         return f, self.input_lines(file_id)
 
-    def input_lines(self, file_id: str) -> Iterator[bytes]:
-        """The file as uploaded, a line at a time, read from Postgres in pages."""
-        with self._db.engine.connect() as conn:
-            rows = conn.execution_options(stream_results=True, yield_per=2000).execute(
-                select(FileLine.raw).where(FileLine.file_id == file_id).order_by(FileLine.line_no)
-            )
-            for (raw,) in rows:
+    def input_lines(self, file_id: str, *, page: int = DOWNLOAD_PAGE_ROWS) -> Iterator[bytes]:
+        """The file as uploaded, a line at a time, read from Postgres in pages of `page`
+        lines. Each page is its own short query (keyset on the line number), so a client
+        that reads slowly, or not at all, holds no pooled connection between pages."""
+        after = 0
+        while True:
+            with self._db.engine.connect() as conn:
+                rows = conn.execute(
+                    select(FileLine.line_no, FileLine.raw)
+                    .where(FileLine.file_id == file_id, FileLine.line_no > after)
+                    .order_by(FileLine.line_no)
+                    .limit(page)
+                ).all()
+            for _, raw in rows:
                 yield raw.encode("utf-8") + b"\n"
+            if len(rows) < page:
+                return
+            after = rows[-1].line_no

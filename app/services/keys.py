@@ -131,6 +131,14 @@ class KeyService:
             raise NotFound(f"no tenant {tenant!r}", param="tenant")
         return PriorityBand(row.priority_min, row.priority_max)
 
+    def active(self, key_ids: list[str]) -> set[str]:
+        """Which of `key_ids` still authenticate (exist and are not revoked)."""
+        if not key_ids:
+            return set()
+        with self._db.session() as s:
+            rows = s.scalars(select(ApiKey.id).where(ApiKey.id.in_(key_ids), ApiKey.revoked_at.is_(None)))
+            return set(rows)
+
     def list_keys(self, tenant: str | None = None) -> list[KeyInfo]:
         with self._db.session() as s:
             q = select(ApiKey).order_by(ApiKey.created_at)

@@ -21,9 +21,10 @@ from typing import Any
 from redis import Redis
 from redis.exceptions import RedisError
 from sqlalchemy import select
+from sqlalchemy.exc import SQLAlchemyError
 
 from app.db import Database
-from app.errors import NotFound
+from app.errors import NotFound, Unauthorized
 from app.events import (
     END_EVENT,
     EventId,
@@ -35,17 +36,20 @@ from app.events import (
 )
 from app.models import Job, JobStatus
 from app.schemas.completion import RecordedStream
-from app.services.keys import Principal
+from app.services.feeds import FeedRead, JobFeed
+from app.services.keys import KeyService, Principal
 
 log = logging.getLogger("llmq.stream")
 
 HEARTBEAT = ": keep-alive\n\n"
+DONE = "data: [DONE]\n\n"
 
 
 class Waiter:
-    def __init__(self) -> None:
+    def __init__(self, feed: JobFeed) -> None:
         self._event = threading.Event()
         self.ended = False
+        self.feed = feed  # shared by every watcher of the job in this process
 
     def notify(self, final: bool) -> None:
         self.ended = self.ended or final
@@ -68,6 +72,9 @@ class Notifier:
         self._waiters: dict[str, set[Waiter]] = {}
         self._pending: list[tuple[str, str]] = []  # ("sub" | "unsub", channel)
         self._confirmed: dict[str, threading.Event] = {}
+        # Notifications seen per channel: a job's feed reads Redis again only when it moved.
+        self._versions: dict[str, int] = {}
+        self._feeds: dict[str, JobFeed] = {}
         self._thread: threading.Thread | None = None
 
     def _ensure_started(self) -> None:
@@ -82,9 +89,14 @@ class Notifier:
         after the caller's next read can be missed."""
         self._ensure_started()
         channel = job_channel(job_id)
-        waiter = Waiter()
         with self._lock:
             first = channel not in self._waiters
+            feed = self._feeds.get(channel)
+            if feed is None:
+                feed = self._feeds[channel] = JobFeed(
+                    self._redis, job_id, lambda: self._versions.get(channel, 0)
+                )
+            waiter = Waiter(feed)
             self._waiters.setdefault(channel, set()).add(waiter)
             confirmed = self._confirmed.setdefault(channel, threading.Event())
             if first:
@@ -100,6 +112,8 @@ class Notifier:
                     if not watchers:
                         del self._waiters[channel]
                         self._confirmed.pop(channel, None)
+                        self._versions.pop(channel, None)
+                        self._feeds.pop(channel, None)
                         self._pending.append(("unsub", channel))
 
     def _loop(self) -> None:
@@ -144,6 +158,8 @@ class Notifier:
                 return
             if kind != "message":
                 return
+            # Before anyone wakes, so a woken subscriber's feed sees the log moved.
+            self._versions[channel] = self._versions.get(channel, 0) + 1
             waiters = list(self._waiters.get(channel, ()))
         final = is_end_notification(message["data"])
         for waiter in waiters:
@@ -152,6 +168,8 @@ class Notifier:
     def _wake_all(self) -> None:
         with self._lock:
             waiters = [w for ws in self._waiters.values() for w in ws]
+            for channel in self._waiters:
+                self._versions[channel] = self._versions.get(channel, 0) + 1
             for confirmed in self._confirmed.values():
                 confirmed.set()
         for waiter in waiters:
@@ -181,14 +199,52 @@ _TERMINAL_ERRORS = {
 }
 
 
+class KeyWatch:
+    """Whether a key may still stream. Postgres is asked at most once per `interval` per
+    key in this process, however many streams the key holds open."""
+
+    def __init__(self, keys: KeyService, interval: float) -> None:
+        self._keys = keys
+        self._interval = interval
+        self._lock = threading.Lock()
+        self._seen: dict[str, tuple[float, bool]] = {}
+
+    def valid(self, key_id: str) -> bool:
+        now = time.monotonic()
+        with self._lock:
+            seen = self._seen.get(key_id)
+            if seen is not None and now - seen[0] < self._interval:
+                return seen[1]
+        try:
+            valid = key_id in self._keys.active([key_id])
+        except SQLAlchemyError as exc:
+            # The database is busy or away: keep the stream; the next check asks again.
+            log.warning("key check failed", extra={"error": type(exc).__name__})
+            return True
+        with self._lock:
+            if len(self._seen) > 10_000:
+                self._seen = {k: v for k, v in self._seen.items() if now - v[0] < self._interval}
+            self._seen[key_id] = (now, valid)
+        return valid
+
+
 class StreamService:
     def __init__(
-        self, db: Database, redis: Redis[bytes], notifier: Notifier, *, heartbeat_seconds: float = 15.0
+        self,
+        db: Database,
+        redis: Redis[bytes],
+        notifier: Notifier,
+        keys: KeyService,
+        *,
+        heartbeat_seconds: float = 15.0,
+        key_check_seconds: float = 5.0,
     ) -> None:
         self._db = db
         self._redis = redis
         self._notifier = notifier
         self._heartbeat = heartbeat_seconds
+        self._key_check = key_check_seconds
+        self._key_watch = KeyWatch(keys, key_check_seconds)
 
     # --- reads -------------------------------------------------------------------------
 
@@ -209,6 +265,17 @@ class StreamService:
                 events=job.events,
                 include_usage=bool(options.get("include_usage")),
             )
+
+    def _view_now(self, principal: Principal, view: JobView) -> JobView | None:
+        """The job as Postgres has it now; None when Postgres cannot answer this moment
+        (pool exhausted, connection lost): an open stream waits and asks again."""
+        try:
+            return self._view(principal, view.id)
+        except SQLAlchemyError as exc:
+            log.warning(
+                "stream could not read its job", extra={"job_id": view.id, "error": type(exc).__name__}
+            )
+            return None
 
     def _from_redis(self, job_id: str, after: EventId | None) -> tuple[list[dict[str, Any]], bool]:
         """Events after `after`, and whether the stream exists at all."""
@@ -238,7 +305,8 @@ class StreamService:
         *,
         include_usage: bool | None = None,
     ) -> Iterator[str]:
-        """Validate now (404, bad Last-Event-ID), then return the SSE body generator."""
+        """Validate now (404, bad Last-Event-ID), then return the SSE body generator.
+        Opening uses one short database session; the stream holds none."""
         view = self._view(principal, job_id)
         cursor = parse_event_id(last_event_id)
         usage_wanted = view.include_usage if include_usage is None else include_usage
@@ -250,18 +318,37 @@ class StreamService:
         with self._notifier.watch(view.id) as waiter:
             epoch = cursor.epoch if cursor else None
             from_postgres = False
+            now = time.monotonic()
+            next_heartbeat, next_key_check = now + self._heartbeat, now + self._key_check
             while True:
+                if time.monotonic() >= next_key_check:
+                    # A revoked key's stream stops, even while events keep flowing.
+                    if not self._key_watch.valid(principal.key_id):
+                        yield from _revoked()
+                        return
+                    next_key_check = time.monotonic() + self._key_check
                 events: list[dict[str, Any]] = []
                 if not from_postgres:
                     try:
-                        events, exists = self._from_redis(view.id, cursor)
+                        read = waiter.feed.after(cursor)
                     except RedisError:
-                        events, exists = [], False
-                    from_postgres = not events and not exists
+                        read = FeedRead([], False, None)
+                    if read.ended_at_or_before(cursor):
+                        # A resume at or past the end event: nothing is left to send.
+                        yield DONE
+                        return
+                    events = read.events
+                    from_postgres = not events and not read.exists
                 if from_postgres:
-                    view = self._view(principal, view.id)
-                    events = self._from_postgres(view, cursor) if view.terminal else []
-                    from_postgres = False
+                    latest = self._view_now(principal, view)
+                    if latest is not None:
+                        view = latest
+                        from_postgres = False
+                        if view.terminal:
+                            events = self._from_postgres(view, cursor)
+                            if not events:  # resumed at or past the recorded end
+                                yield DONE
+                                return
                 for event in events:
                     eid = _eid(event)
                     if epoch is not None and eid.epoch > epoch and event.get("type") != END_EVENT:
@@ -273,12 +360,18 @@ class StreamService:
                         return
                     yield _sse(event["data"], str(eid))
                 if events:
+                    next_heartbeat = time.monotonic() + self._heartbeat
                     continue
-                if not waiter.wait(self._heartbeat):
+                wake_at = min(next_heartbeat, next_key_check)
+                if waiter.wait(max(0.0, wake_at - time.monotonic())):
+                    continue
+                if time.monotonic() >= next_heartbeat:
                     yield HEARTBEAT
+                    next_heartbeat = time.monotonic() + self._heartbeat
                     # Quiet for a whole heartbeat: if the job ended without its end event
                     # reaching Redis, Postgres has the rest.
-                    from_postgres = self._view(principal, view.id).terminal
+                    latest = self._view_now(principal, view)
+                    from_postgres = from_postgres or (latest is not None and latest.terminal)
 
     def _final(self, view: JobView, event: dict[str, Any], include_usage: bool) -> Iterator[str]:
         eid = str(event["id"])
@@ -295,7 +388,7 @@ class StreamService:
         error = event.get("error") or _error_for_status(event.get("status", ""))
         if error:
             yield _sse({"error": error}, eid)
-        yield "data: [DONE]\n\n"
+        yield DONE
 
     # --- recorded stream and waiting -----------------------------------------------------
 
@@ -314,19 +407,26 @@ class StreamService:
 
     def wait_for_end(self, principal: Principal, job_id: str, timeout: float) -> bool:
         """True once the job is terminal; False if `timeout` passed first. Waits on the
-        notifier; Postgres is asked only on an end notification or once a heartbeat."""
+        notifier; Postgres is asked only on an end notification or once a heartbeat.
+
+        Raises:
+            Unauthorized: the caller's key was revoked while waiting.
+        """
         deadline = time.monotonic() + timeout
         with self._notifier.watch(job_id) as waiter:
+            ask_at = 0.0
             while True:
-                if self._view(principal, job_id).terminal:
-                    return True
-                left = deadline - time.monotonic()
+                now = time.monotonic()
+                if waiter.ended or now >= ask_at:
+                    if self._view(principal, job_id).terminal:
+                        return True
+                    ask_at = now + self._heartbeat
+                if not self._key_watch.valid(principal.key_id):
+                    raise Unauthorized("the API key was revoked")
+                left = deadline - now
                 if left <= 0:
                     return False
-                waiter.wait(min(left, self._heartbeat))
-                while not waiter.ended and (left := deadline - time.monotonic()) > 0:
-                    if not waiter.wait(min(left, self._heartbeat)):
-                        break
+                waiter.wait(min(left, ask_at - now, self._key_check))
 
 
 def _eid(event: dict[str, Any]) -> EventId:
@@ -339,6 +439,17 @@ def _sse(data: dict[str, Any], event_id: str) -> str:
     return f"id: {event_id}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
 
 
+def _revoked() -> Iterator[str]:
+    error = {
+        "message": "the API key was revoked",
+        "type": "authentication_error",
+        "param": None,
+        "code": "invalid_api_key",
+    }
+    yield f"data: {json.dumps({'error': error})}\n\n"
+    yield DONE
+
+
 def _restarted(eid: EventId) -> Iterator[str]:
     error = {
         "message": "the job was restarted after a worker failure; reconnect without Last-Event-ID "
@@ -348,7 +459,7 @@ def _restarted(eid: EventId) -> Iterator[str]:
         "code": "stream_restarted",
     }
     yield f"id: {eid}\ndata: {json.dumps({'error': error})}\n\n"
-    yield "data: [DONE]\n\n"
+    yield DONE
 
 
 def _error_for_status(status: str) -> dict[str, Any] | None:

@@ -1,0 +1,86 @@
+"""One reader per job per process: the job's Redis Stream is read once per notification and
+the events are handed to every subscriber of that job in this process, so 600 subscribers
+of one job cost one XRANGE per event, not 600."""
+
+from __future__ import annotations
+
+import bisect
+import json
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from redis import Redis
+
+from app.events import END_EVENT, EventId, job_stream, parse_event_id
+
+
+@dataclass(frozen=True)
+class FeedRead:
+    """What a subscriber gets: the events after its cursor, whether the Redis Stream
+    exists, and the last event of the log (to tell a finished log from a quiet one)."""
+
+    events: list[dict[str, Any]]
+    exists: bool
+    last: dict[str, Any] | None
+
+    def ended_at_or_before(self, cursor: EventId | None) -> bool:
+        """The log is complete and the cursor is at or past its end event."""
+        if self.events or self.last is None or self.last.get("type") != END_EVENT or cursor is None:
+            return False
+        return event_id(self.last) <= cursor
+
+
+class JobFeed:
+    """The job's event log as this process has read it. `version` counts the notifications
+    for the job (bumped before subscribers are woken); the log is read again only when it
+    moved since the last read, and by one subscriber at a time."""
+
+    def __init__(self, redis: Redis[bytes], job_id: str, version: Callable[[], int]) -> None:
+        self._redis = redis
+        self._key = job_stream(job_id)
+        self._version = version
+        self._lock = threading.Lock()
+        self._ids: list[EventId] = []
+        self._events: list[dict[str, Any]] = []
+        self._exists = False
+        self._read_version = -1
+        self.reads = 0  # XRANGEs issued, for tests and curiosity
+
+    def after(self, cursor: EventId | None) -> FeedRead:
+        """Raises RedisError when Redis cannot be read (nothing is lost; the next call
+        reads again)."""
+        with self._lock:
+            version = self._version()
+            if version != self._read_version:
+                self._read()
+                self._read_version = version
+            start = bisect.bisect_right(self._ids, cursor) if cursor is not None else 0
+            return FeedRead(self._events[start:], self._exists, self._events[-1] if self._events else None)
+
+    def _read(self) -> None:
+        start = f"({self._ids[-1]}" if self._ids else "-"
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.xrange(self._key, start, "+")
+        pipe.exists(self._key)
+        entries, exists = pipe.execute()
+        self.reads += 1
+        for _, fields in entries:
+            event = json.loads(fields[b"e"])
+            eid = event_id(event)
+            if self._ids and event.get("type") != END_EVENT and eid.epoch > self._ids[0].epoch:
+                # A new attempt's worker deleted the log before its first event; drop the
+                # older attempts here too, so a subscriber from the start sees only this one.
+                keep = bisect.bisect_left(self._ids, EventId(eid.epoch, 0))
+                del self._ids[:keep]
+                del self._events[:keep]
+            self._ids.append(eid)
+            self._events.append(event)
+        self._exists = bool(exists)
+
+
+def event_id(event: dict[str, Any]) -> EventId:
+    parsed = parse_event_id(str(event["id"]))
+    assert parsed is not None
+    return parsed

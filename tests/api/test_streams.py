@@ -1,0 +1,401 @@
+"""Streams that end, streams a key may no longer hold, and responses that cannot take the
+database pool away (X10, X12, S1, S2): through the Flask app against real Postgres and
+Redis, with no worker (jobs stay queued unless a test writes their events itself)."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import threading
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+import redis
+from flask import Flask
+from flask.testing import FlaskClient
+from sqlalchemy import text
+
+from app.api import create_app
+from app.container import Services, build_services
+from app.events import job_channel, job_stream, notification
+from tests.api.test_batches_api import jsonl, line, upload
+from tests.conftest import Stores, auth, make_settings
+
+DONE = "data: [DONE]\n\n"
+
+
+def job_body(**fields: Any) -> dict[str, Any]:
+    return {"model": "api-only", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, **fields}
+
+
+class Reader:
+    """Reads a streamed response in a thread, so a stream that never ends fails its test
+    (the wait times out) instead of hanging it."""
+
+    def __init__(self, client: FlaskClient, path: str, headers: dict[str, str]) -> None:
+        self.status: int | None = None
+        self.parts: list[str] = []
+        self.opened = threading.Event()
+        self.done = threading.Event()
+        self._client, self._path, self._headers = client, path, headers
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        response = self._client.get(self._path, headers=self._headers, buffered=False)
+        self.status = response.status_code
+        self.opened.set()
+        try:
+            for part in response.response:
+                self.parts.append(part.decode() if isinstance(part, bytes) else part)
+        finally:
+            response.close()
+            self.done.set()
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+    def data(self) -> list[str]:
+        return [p for p in self.text.split("\n\n") if p.strip() and not p.startswith(":")]
+
+
+def wait_until(condition: Any, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return bool(condition())
+
+
+def chunk(eid: str, content: str) -> dict[str, Any]:
+    data = {"id": "chatcmpl-x", "object": "chat.completion.chunk", "created": 0, "model": "api-only"}
+    data["choices"] = [{"index": 0, "delta": {"content": content}, "finish_reason": None}]
+    return {"id": eid, "type": "chunk", "data": data}
+
+
+def end(eid: str) -> dict[str, Any]:
+    return {"id": eid, "type": "end", "status": "succeeded", "usage": None, "error": None}
+
+
+def append(r: redis.Redis, job_id: str, event: dict[str, Any]) -> None:
+    """What the worker does for each event: append to the log, then notify."""
+    r.xadd(job_stream(job_id), {"e": json.dumps(event)}, id=event["id"])
+    r.publish(job_channel(job_id), notification(event["id"], final=event["type"] == "end"))
+
+
+@pytest.fixture(scope="module")
+def quick(stores: Stores) -> Iterator[Services]:
+    """Short heartbeats and key checks, a cap of 3 streams per key, a one-connection pool."""
+    svc = build_services(
+        make_settings(
+            stores,
+            sse_heartbeat_seconds=0.5,
+            stream_key_check_seconds=0.5,
+            max_streams_per_key=3,
+            rate_limit_per_minute=0,
+            db_pool_size=1,
+            db_pool_timeout_seconds=0.5,
+        )
+    )
+    yield svc
+    svc.close()
+
+
+@pytest.fixture(scope="module")
+def quick_app(quick: Services) -> Flask:
+    return create_app(quick.settings, services=quick)
+
+
+def new_key(services: Services) -> str:
+    return services.keys.create_key(f"tenant-streams-{secrets.token_hex(3)}")
+
+
+def queued_job(client: FlaskClient, key: str) -> str:
+    r = client.post("/v2/jobs", json=job_body(), headers=auth(key))
+    assert r.status_code == 202
+    return str(r.get_json()["id"])
+
+
+# --- S2 / X12: a resume at or past the end ends the stream -------------------------------
+
+
+@pytest.fixture(params=["redis", "postgres"])
+def finished_job(request: pytest.FixtureRequest, client: FlaskClient, services: Services) -> tuple[str, str]:
+    """A succeeded job whose log is chunk 1-1, chunk 1-2, end 1-3: in Redis (a recent job)
+    or only in Postgres (its Redis Stream expired)."""
+    key = new_key(services)
+    job_id = queued_job(client, key)
+    events = [chunk("1-1", "Hel"), chunk("1-2", "lo"), end("1-3")]
+    with services.db.session() as s:
+        s.execute(
+            text(
+                "UPDATE jobs SET status = 'succeeded', epoch = 1, events = CAST(:ev AS json), "
+                "succeeded_at = :now WHERE id = :id"
+            ),
+            {"ev": json.dumps(events), "now": datetime.now(UTC), "id": job_id},
+        )
+    services.redis.delete(job_stream(job_id))
+    if request.param == "redis":
+        for event in events:
+            services.redis.xadd(job_stream(job_id), {"e": json.dumps(event)}, id=event["id"])
+    return key, job_id
+
+
+@pytest.mark.parametrize("resume", ["1-3", "9-0", "1-99", "2-0"])
+def test_resume_at_or_past_the_end_ends_at_once(
+    client: FlaskClient, finished_job: tuple[str, str], resume: str
+) -> None:
+    key, job_id = finished_job
+    reader = Reader(client, f"/v2/jobs/{job_id}/stream", auth(key) | {"Last-Event-ID": resume})
+    assert reader.done.wait(5), f"still open after 5 s: {reader.text!r}"
+    assert reader.status == 200
+    assert reader.text.endswith(DONE)
+    assert "Hel" not in reader.text and "lo" not in reader.text
+
+
+@pytest.mark.parametrize("resume", [None, "1-1"])
+def test_resume_before_the_end_replays_the_rest(
+    client: FlaskClient, finished_job: tuple[str, str], resume: str | None
+) -> None:
+    key, job_id = finished_job
+    headers = auth(key) | ({"Last-Event-ID": resume} if resume else {})
+    reader = Reader(client, f"/v2/jobs/{job_id}/stream", headers)
+    assert reader.done.wait(5)
+    contents = [
+        json.loads(p.split("data: ", 1)[1])["choices"][0]["delta"]["content"]
+        for p in reader.data()
+        if p.startswith("id: 1-1") or p.startswith("id: 1-2")
+    ]
+    assert contents == (["Hel", "lo"] if resume is None else ["lo"])
+    assert reader.text.endswith(DONE)
+
+
+# --- X12: a revoked key's stream ends ----------------------------------------------------
+
+
+def test_revoked_key_ends_its_open_stream(quick_app: Flask, quick: Services) -> None:
+    client = quick_app.test_client()
+    key = new_key(quick)
+    job_id = queued_job(client, key)
+    reader = Reader(client, f"/v2/jobs/{job_id}/stream", auth(key))
+    assert wait_until(lambda: ": keep-alive" in reader.text, 5), "the stream should be open and idle"
+    quick.keys.revoke(quick.keys.authenticate(key).key_id)
+    assert reader.done.wait(20), "the stream kept flowing after its key was revoked"
+    error = json.loads(reader.data()[-2].split("data: ", 1)[1])["error"]
+    assert error["type"] == "authentication_error" and error["code"] == "invalid_api_key"
+    assert reader.text.endswith(DONE)
+
+
+def test_revoked_key_ends_a_flowing_stream(quick_app: Flask, quick: Services) -> None:
+    client = quick_app.test_client()
+    key = new_key(quick)
+    job_id = queued_job(client, key)
+    reader = Reader(client, f"/v2/jobs/{job_id}/stream", auth(key))
+    append(quick.redis, job_id, chunk("1-1", "a"))
+    assert wait_until(lambda: "id: 1-1" in reader.text, 5)
+    quick.keys.revoke(quick.keys.authenticate(key).key_id)
+    seq = 2
+    deadline = time.monotonic() + 20
+    while not reader.done.is_set() and time.monotonic() < deadline:
+        append(quick.redis, job_id, chunk(f"1-{seq}", "a"))  # events keep coming
+        seq += 1
+        time.sleep(0.05)
+    assert reader.done.is_set(), "the stream kept flowing after its key was revoked"
+    assert "invalid_api_key" in reader.text and reader.text.endswith(DONE)
+
+
+def test_revoked_key_ends_a_sync_wait(quick_app: Flask, quick: Services) -> None:
+    client = quick_app.test_client()
+    key = new_key(quick)
+    key_id = quick.keys.authenticate(key).key_id
+    answer: dict[str, Any] = {}
+
+    def call() -> None:
+        r = client.post("/v1/chat/completions", json=job_body(), headers=auth(key))
+        answer["status"], answer["body"] = r.status_code, r.get_json()
+
+    started = time.monotonic()
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+
+    def submitted() -> bool:
+        with quick.db.session() as s:
+            query = "SELECT count(*) FROM jobs j JOIN api_keys k ON k.tenant_id = j.tenant_id WHERE k.id = :k"
+            return bool(s.execute(text(query), {"k": key_id}).scalar())
+
+    assert wait_until(submitted, 5)
+    quick.keys.revoke(key_id)
+    thread.join(20)
+    assert not thread.is_alive() and time.monotonic() - started < 20
+    assert answer["status"] == 401 and answer["body"]["error"]["type"] == "authentication_error"
+
+
+# --- X10: a cap on open streams and downloads per key ------------------------------------
+
+
+def test_streams_and_downloads_per_key_are_capped(quick_app: Flask, quick: Services) -> None:
+    client = quick_app.test_client()
+    key, other = new_key(quick), new_key(quick)
+    job_id = queued_job(client, key)
+    file_id = upload(client, key, jsonl([line(i) for i in range(3)])).get_json()["id"]
+    open_ = [client.get(f"/v2/jobs/{job_id}/stream", headers=auth(key), buffered=False) for _ in range(2)]
+    download = client.get(f"/v1/files/{file_id}/content", headers=auth(key), buffered=False)
+    assert [r.status_code for r in [*open_, download]] == [200, 200, 200]
+
+    over = client.get(f"/v2/jobs/{job_id}/stream", headers=auth(key))
+    assert over.status_code == 429
+    assert int(over.headers["Retry-After"]) >= 1
+    assert over.get_json()["error"]["type"] == "rate_limit_error"
+    assert over.get_json()["error"]["code"] == "too_many_streams"
+    streaming_chat = client.post("/v1/chat/completions", json=job_body(stream=True), headers=auth(key))
+    assert streaming_chat.status_code == 429
+    assert client.get(f"/v1/files/{file_id}/content", headers=auth(key)).status_code == 429
+    assert client.get("/v2/jobs", headers=auth(key)).status_code == 200  # other calls are not capped
+
+    other_job = queued_job(client, other)
+    theirs = client.get(f"/v2/jobs/{other_job}/stream", headers=auth(other), buffered=False)
+    assert theirs.status_code == 200  # the cap is per key
+    theirs.close()
+
+    download.close()  # closing gives the slot back, even unread
+    again = client.get(f"/v1/files/{file_id}/content", headers=auth(key))
+    assert again.status_code == 200 and again.data.count(b"\n") == 3
+    for r in reversed(open_):  # the test client stacks request contexts: last opened, first closed
+        r.close()
+    assert quick.slots.held() == 0
+
+
+def test_a_404_or_bad_cursor_does_not_keep_a_slot(quick_app: Flask, quick: Services) -> None:
+    client = quick_app.test_client()
+    key = new_key(quick)
+    job_id = queued_job(client, key)
+    for _ in range(5):
+        assert client.get("/v2/jobs/job_missing/stream", headers=auth(key)).status_code == 404
+        r = client.get(f"/v2/jobs/{job_id}/stream", headers=auth(key) | {"Last-Event-ID": "x"})
+        assert r.status_code == 400
+    assert quick.slots.held() == 0
+
+
+# --- X10: pool-safe downloads and streams ------------------------------------------------
+
+
+def test_an_unread_download_holds_no_database_connection(quick_app: Flask, quick: Services) -> None:
+    client = quick_app.test_client()
+    key = new_key(quick)
+    file_id = upload(client, key, jsonl([line(i) for i in range(2100)])).get_json()["id"]
+    pool = quick.db.engine.pool
+    response = client.get(f"/v1/files/{file_id}/content", headers=auth(key), buffered=False)
+    body = iter(response.response)
+    first = next(body)  # the client read one line of 2100 and stopped
+    assert json.loads(first)["custom_id"] == "req-0"
+    assert pool.checkedout() == 0  # type: ignore[attr-defined]
+    # Another call of the same process still gets the (one-connection) pool.
+    assert client.get("/v2/jobs", headers=auth(key)).status_code == 200
+    rest = b"".join(body)
+    response.close()
+    lines = [json.loads(x) for x in (first + rest).splitlines()]
+    assert [x["custom_id"] for x in lines] == [f"req-{i}" for i in range(2100)]
+
+
+def test_an_unread_batch_output_holds_no_database_connection(quick_app: Flask, quick: Services) -> None:
+    from app.services.batches import output_lines
+
+    client = quick_app.test_client()
+    key = new_key(quick)
+    file_id = upload(client, key, jsonl([line(i) for i in range(7)])).get_json()["id"]
+    batch = client.post(
+        "/v1/batches",
+        json={"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"},
+        headers=auth(key),
+    ).get_json()
+    with quick.db.session() as s:
+        s.execute(
+            text(
+                "UPDATE jobs SET status = CASE WHEN custom_id = 'req-3' THEN 'failed' ELSE 'succeeded' END, "
+                "response = CAST('{\"ok\": true}' AS json) WHERE batch_id = :b"
+            ),
+            {"b": batch["id"]},
+        )
+    lines = output_lines(quick.db, batch["id"], "output", page=2)
+    first = next(lines)
+    assert quick.db.engine.pool.checkedout() == 0  # type: ignore[attr-defined]
+    ids = [json.loads(x)["custom_id"] for x in [first, *lines]]
+    assert ids == [f"req-{i}" for i in range(7) if i != 3]
+    errors = [json.loads(x)["custom_id"] for x in output_lines(quick.db, batch["id"], "errors", page=2)]
+    assert errors == ["req-3"]
+
+
+def test_an_exhausted_pool_is_a_503_with_retry_after(quick_app: Flask, quick: Services) -> None:
+    client = quick_app.test_client()
+    key = new_key(quick)
+    quick.keys.authenticate(key)
+    held = [quick.db.engine.connect(), quick.db.engine.connect()]  # the pool and its overflow
+    try:
+        r = client.get("/v2/jobs", headers=auth(key))
+    finally:
+        for conn in held:
+            conn.close()
+    assert r.status_code == 503
+    assert int(r.headers["Retry-After"]) >= 1
+    assert r.get_json()["error"]["type"] == "service_unavailable_error"
+
+
+# --- SSE reads shared per job ------------------------------------------------------------
+
+
+def xrange_calls(r: redis.Redis) -> int:
+    stats = r.info("commandstats").get("cmdstat_xrange", {})
+    return int(stats.get("calls", 0))
+
+
+def test_subscribers_of_one_job_share_one_read_per_event(app: Flask, services: Services) -> None:
+    key = new_key(services)
+    job_id = queued_job(app.test_client(), key)
+    readers = [Reader(app.test_client(), f"/v2/jobs/{job_id}/stream", auth(key)) for _ in range(30)]
+    append(services.redis, job_id, chunk("1-1", "x"))
+    assert wait_until(lambda: all("id: 1-1" in r.text for r in readers), 10)
+    before = xrange_calls(services.redis)
+    for seq in range(2, 12):
+        append(services.redis, job_id, chunk(f"1-{seq}", "x"))
+        assert wait_until(lambda seq=seq: all(f"id: 1-{seq}\n" in r.text for r in readers), 10)
+    append(services.redis, job_id, end("1-12"))
+    assert all(r.done.wait(10) for r in readers)
+    reads = xrange_calls(services.redis) - before
+    # One read per event per process (11 here), not one per subscriber (330); the slack
+    # is for other tests sharing this Redis server.
+    assert reads < 60, reads
+    for r in readers:
+        assert [p.split("\n")[0] for p in r.data()][:11] == [f"id: 1-{i}" for i in range(1, 12)]
+        assert r.text.endswith(DONE)
+
+
+def test_a_new_attempt_resets_the_shared_log(quick_app: Flask, quick: Services) -> None:
+    """The worker of a new attempt deletes the job's log before its first event; the
+    process's shared copy must drop the old attempt too, or a subscriber joining now would
+    be replayed the dead attempt and told the stream restarted."""
+    key = new_key(quick)
+    job_id = queued_job(quick_app.test_client(), key)
+    first = Reader(quick_app.test_client(), f"/v2/jobs/{job_id}/stream", auth(key))
+    append(quick.redis, job_id, chunk("1-1", "old"))
+    append(quick.redis, job_id, chunk("1-2", "old"))
+    assert wait_until(lambda: "id: 1-2" in first.text, 5)
+    # Keeps the job's shared log alive across the reset: it waits for epoch 2.
+    waits_for_2 = auth(key) | {"Last-Event-ID": "2-0"}
+    keeper = Reader(quick_app.test_client(), f"/v2/jobs/{job_id}/stream", waits_for_2)
+    assert wait_until(lambda: ": keep-alive" in keeper.text, 5)
+
+    quick.redis.delete(job_stream(job_id))
+    append(quick.redis, job_id, chunk("2-1", "new"))
+    assert first.done.wait(5) and "stream_restarted" in first.text
+    assert wait_until(lambda: "id: 2-1" in keeper.text, 5)
+
+    late = Reader(quick_app.test_client(), f"/v2/jobs/{job_id}/stream", auth(key))
+    assert wait_until(lambda: "id: 2-1" in late.text, 5)
+    append(quick.redis, job_id, end("2-2"))
+    assert late.done.wait(5) and keeper.done.wait(5)
+    assert [p.split("\n")[0] for p in late.data()] == ["id: 2-1", "data: [DONE]"]
+    assert "old" not in late.text and "stream_restarted" not in late.text
