@@ -193,7 +193,7 @@ MODEL = "tiny-batch-crash"
 def test_kill_9_worker_half_way_then_restart(stores: Stores, tiny_model: Path, logs_dir: Path) -> None:
     settings = make_settings(stores, model=str(tiny_model), served_model_name=MODEL)
     services = build_services(settings)
-    client = create_app(settings, services=services).test_client()
+    client = create_app(services=services).test_client()
     key = services.keys.create_key("tenant-batch-crash")
     env = stack_env(stores, tiny_model, MODEL)
     first = WorkerProcess(env, logs_dir / "batch-crash-1.log").start()
