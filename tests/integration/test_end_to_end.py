@@ -157,7 +157,7 @@ def test_cancel_running_job_keeps_partial_text(stack: Stack) -> None:
     assert job["status"] == "cancelled"
     assert job["cancelled_at"] is not None
     content = job["response"]["choices"][0]["message"]["content"]
-    assert content
+    assert content and job["response"]["choices"][0]["finish_reason"] == "error"
     assert 0 < job["usage"]["completion_tokens"] < 1900
     # A finished job cannot be cancelled.
     done = run(stack, max_tokens=2)
