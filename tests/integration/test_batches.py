@@ -155,7 +155,14 @@ def test_cancel_half_way_keeps_the_finished_half(stack: Stack, services) -> None
     assert len(output) == len(after)
     assert all(x["response"] is None and x["error"]["code"] == "batch_cancelled" for x in errors)
     check_inv(services, batch.id, 600, output, errors)
-    time.sleep(2)  # no line finishes after the cancel was acknowledged
+    # No line finishes after the cancel was acknowledged: wait until no worker holds a
+    # message naming one of its lines (acknowledged once its task ended, fenced or not).
+    with services.db.session() as s:
+        lines_ = set(s.scalars(text("SELECT id FROM jobs WHERE batch_id = :b"), {"b": batch.id}))
+    deadline = time.monotonic() + 60
+    while lines_ & services.queue.delivered_job_ids():
+        assert time.monotonic() < deadline, "a worker still holds lines of the cancelled batch"
+        time.sleep(0.2)
     with services.db.session() as s:
         assert s.execute(
             text("SELECT count(*) FROM jobs WHERE batch_id = :b AND status = 'succeeded'"), {"b": batch.id}
