@@ -63,6 +63,7 @@ _SENSITIVE_FIELD = re.compile(r"(?i)" + _SENSITIVE_WORDS + r"$|^authorization$")
 
 # Exact secrets this process knows (bounded: a process registers a handful of keys).
 _SECRETS: set[str] = set()
+_SECRETS_LONGEST_FIRST: tuple[str, ...] = ()
 _SECRETS_LOCK = threading.Lock()
 _MAX_SECRETS = 1024
 _MIN_SECRET_LENGTH = 8
@@ -72,16 +73,17 @@ def remember_secret(secret: str | None) -> None:
     """Mask `secret` in every log line this process writes from now on, whatever its shape."""
     if not secret or len(secret) < _MIN_SECRET_LENGTH:
         return
+    global _SECRETS_LONGEST_FIRST
     with _SECRETS_LOCK:
-        if len(_SECRETS) < _MAX_SECRETS:
-            _SECRETS.add(secret)
+        if secret in _SECRETS or len(_SECRETS) >= _MAX_SECRETS:
+            return
+        _SECRETS.add(secret)
+        _SECRETS_LONGEST_FIRST = tuple(sorted(_SECRETS, key=len, reverse=True))
 
 
 def mask_secrets(text: str) -> str:
     """`text` with every secret it holds replaced by `***` (see the module docstring)."""
-    with _SECRETS_LOCK:
-        known = sorted(_SECRETS, key=len, reverse=True)
-    for secret in known:
+    for secret in _SECRETS_LONGEST_FIRST:
         if secret in text:
             text = text.replace(secret, _MASK)
     for pattern, replacement in _PATTERNS:
