@@ -3,6 +3,7 @@ INSERT ... SELECT; progress, output and error files are read from those rows."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
@@ -11,6 +12,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
 from sqlalchemy import select, text, update
+from sqlalchemy.exc import SQLAlchemyError
 
 from app.db import Database
 from app.errors import Conflict, InvalidRequest, NotFound
@@ -193,8 +195,14 @@ class BatchService:
             )
             s.add(batch)
         # `validating` is committed on its own, so it is seen while the lines become jobs;
-        # a batch left there by a crash is taken up again by the lifecycle.
-        materialize(self._db, batch.id)
+        # a batch left there by a crash is taken up again by the lifecycle. One whose
+        # caller is told it failed must not run later: it ends `failed`.
+        try:
+            materialize(self._db, batch.id)
+        except Exception:
+            with contextlib.suppress(SQLAlchemyError):
+                fail_validating(self._db, batch.id)
+            raise
         log.info(
             "batch created", extra={"batch_id": batch.id, "lines": batch.total, "tenant": principal.tenant_id}
         )
@@ -366,6 +374,21 @@ def materialize(db: Database, batch_id: str) -> bool:
         batch.status = BatchStatus.IN_PROGRESS.value
         batch.in_progress_at = datetime.now(UTC)
     return True
+
+
+def fail_validating(db: Database, batch_id: str) -> None:
+    """End a batch whose lines could not be turned into jobs (the caller got an error)."""
+    error = {"code": "batch_not_created", "message": "the batch's requests could not be created"}
+    with db.session() as s:
+        s.execute(
+            update(Batch)
+            .where(Batch.id == batch_id, Batch.status == BatchStatus.VALIDATING.value)
+            .values(
+                status=BatchStatus.FAILED.value,
+                failed_at=datetime.now(UTC),
+                errors={"object": "list", "data": [error]},
+            )
+        )
 
 
 def tell_ended(events: JobEvents, ended: list[tuple[str, int, str]], status: JobStatus) -> None:

@@ -125,6 +125,9 @@ def test_batch_line_insert_faults(client: FlaskClient, stores: Stores, key: str)
         )
     assert r.status_code == 500
     assert_clean(out)
+    # The caller was told it failed, so the batch does not run later: it ended failed.
+    (batch,) = client.get("/v1/batches?limit=1", headers=auth(key)).get_json()["data"]
+    assert batch["status"] == "failed" and batch["errors"]["data"][0]["code"] == "batch_not_created"
 
 
 def test_result_write_fault(client: FlaskClient, services: Services, stores: Stores, key: str) -> None:
