@@ -140,7 +140,11 @@ def test_r7_postgres_restart_while_results_are_written(fault_stack: FaultStack) 
     batch = fault_stack.batch(200, max_tokens=50)
     fault_stack.wait_rows(batch, "status = 'succeeded'", 40)
     fault_stack.stop_pg()
-    wait_unready(fault_stack)
+    # Down until the worker has met the outage (a result write retried), not a fixed time.
+    deadline = time.monotonic() + 60
+    while "retrying the write" not in log_text(worker):
+        assert time.monotonic() < deadline, "the worker never met the outage"
+        time.sleep(0.2)
     fault_stack.start_pg()
     done = fault_stack.wait_batch(batch, timeout=180)
     assert done["status"] == "completed" and done["request_counts"]["completed"] == 200
