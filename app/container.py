@@ -52,6 +52,8 @@ class Services:
     slots: StreamSlots
     auth_failures: RateLimiter
     constraints: ConstraintSandbox | None = None
+    # The served model's context length: LLMQ_MAX_MODEL_LEN, else the model folder's config.
+    max_model_len: int | None = None
 
     @property
     def served_models(self) -> frozenset[str]:
@@ -66,6 +68,35 @@ class Services:
 
 def redis_client(url: str) -> Redis[bytes]:
     return Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5, health_check_interval=30)
+
+
+# The config keys vLLM derives a model's context length from (the smallest one present).
+_CONTEXT_KEYS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_seq_len",
+    "seq_length",
+    "model_max_length",
+    "max_sequence_length",
+    "max_seq_length",
+    "seq_len",
+)
+
+
+def model_context(settings: Settings) -> int | None:
+    """The served model's context length in tokens: the configured one, else what its
+    local folder's config.json says; None for a model known only by name."""
+    if settings.max_model_len:
+        return settings.max_model_len
+    config_file = Path(settings.model) / "config.json" if settings.model else None
+    if config_file is None or not config_file.is_file():
+        return None
+    config = json.loads(config_file.read_text())
+    for section in (config, config.get("text_config") or {}):
+        found = [int(v) for k in _CONTEXT_KEYS if isinstance(v := section.get(k), int) and v > 0]
+        if found:
+            return min(found)
+    return None
 
 
 def prompt_counter(settings: Settings) -> tuple[Callable[[ChatCompletionV2Request], int] | None, int | None]:
@@ -85,9 +116,7 @@ def prompt_counter(settings: Settings) -> tuple[Callable[[ChatCompletionV2Reques
         custom_templates=False,  # the API does not count user templates (the worker renders them)
         inprocess_max_bytes=settings.inprocess_render_max_bytes,
     )
-    context = settings.max_model_len or json.loads((folder / "config.json").read_text()).get(
-        "max_position_embeddings"
-    )
+    context = model_context(settings)
 
     def count(req: ChatCompletionV2Request) -> int:
         return len(renderer.render(req, plan_tools(req, auto_parser=settings.tool_call_parser)))
@@ -190,4 +219,5 @@ def build_services(settings: Settings, *, db_pool_size: int | None = None) -> Se
             subject_name="failed authentications per minute reached for this client address",
         ),
         slots=StreamSlots(redis, per_key=settings.max_streams_per_key),
+        max_model_len=model_context(settings),
     )

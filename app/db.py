@@ -21,8 +21,11 @@ def create_db_engine(url: str, *, pool_size: int = 10, pool_timeout: float = 30.
     # No pre-ping: it doubles the round trips of every short transaction. A connection
     # that died with a restart fails its statement, SQLAlchemy invalidates the pool, and
     # callers retry (see worker.runner.JobRunner._persist).
+    # hide_parameters: a database error's text would otherwise carry the bound values
+    # (a job's request with its prompt, a result, a key's prefix) into whatever logs it.
     return create_engine(
         normalize_url(url),
+        hide_parameters=True,
         pool_size=pool_size,
         max_overflow=pool_size,
         pool_timeout=pool_timeout,

@@ -129,8 +129,8 @@ def services(settings: Settings) -> Iterator[Services]:
 
 
 @pytest.fixture(scope="session")
-def app(settings: Settings, services: Services) -> Flask:
-    return create_app(settings, services=services)
+def app(services: Services) -> Flask:
+    return create_app(services=services)
 
 
 @pytest.fixture

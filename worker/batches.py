@@ -34,6 +34,7 @@ class BatchScheduler:
             now = time.monotonic()
             if now - self._last_finalize >= FINALIZE_EVERY_SECONDS:
                 self._last_finalize = now
+                self._lifecycle.resume_validating()
                 self._lifecycle.expire_due()
                 self._lifecycle.finalize_done()
 

@@ -63,6 +63,17 @@ class FinalChoice:
         return list(calls)
 
 
+# vLLM reports a choice cut short by an abort as "abort", which is not in the API's
+# finish_reason set; "stop" would claim the model ended its answer. "error" is the member
+# of the set that says the choice did not end normally (the job's status says cancelled).
+ABORTED = "error"
+
+
+def aborted_as(reason: str | None) -> str | None:
+    """The wire finish_reason for the engine's `reason`."""
+    return ABORTED if reason == "abort" else reason
+
+
 def finalize(
     choice: ChoiceState,
     *,
@@ -74,8 +85,8 @@ def finalize(
     extract: ToolExtractor | None,
 ) -> FinalChoice:
     """The choice's message: text, or tool calls when the plan asked for them and the
-    output holds them. An aborted choice reports `stop`; the job's status says cancelled."""
-    reason = "stop" if choice.finish_reason == "abort" else choice.finish_reason
+    output holds them. An aborted choice reports `error` (see ABORTED)."""
+    reason = aborted_as(choice.finish_reason)
     text = choice.text
     calls: list[dict[str, Any]] | None = None
     content: str | None = echo + text

@@ -26,7 +26,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from app.events import END_EVENT, job_channel, job_stream, notification
 from worker.engine import ChoiceDelta, EngineUpdate
-from worker.response import logprob_entry
+from worker.response import aborted_as, logprob_entry
 
 log = logging.getLogger("llmq.stream")
 
@@ -115,7 +115,7 @@ class JobStream:
         if delta.logprobs and self.shape.logprobs:
             pending.logprobs.extend(logprob_entry(lp) for lp in delta.logprobs)
         if delta.finish_reason is not None:
-            reason = "stop" if delta.finish_reason == "abort" else delta.finish_reason
+            reason = aborted_as(delta.finish_reason)
             if self.shape.mode == "arguments" and reason == "stop":
                 reason = "function_call" if self.shape.legacy else "tool_calls"
             pending.finish_reason = reason

@@ -10,11 +10,20 @@ from app.settings import Settings
 
 
 def create_app(settings: Settings | None = None, *, services: Services | None = None) -> Flask:
-    """Build the WSGI app. Importing this package connects to nothing."""
+    """Build the WSGI app from `settings` (services are built from them) or from ready
+    `services` (their own settings apply), never both: settings passed beside services
+    would be silently ignored by everything the services already hold. Importing this
+    package connects to nothing.
+
+    Raises:
+        TypeError: both `settings` and `services` were given.
+    """
     from app.api import batches, chat, errors, files, health, jobs, models, openapi
     from app.logs import configure_logging
 
-    settings = settings or (services.settings if services else Settings())
+    if settings is not None and services is not None:
+        raise TypeError("create_app takes settings or services, not both: services carry their own settings")
+    settings = services.settings if services is not None else settings or Settings()
     configure_logging(settings)
     app = Flask("llmq")
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes

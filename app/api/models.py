@@ -17,7 +17,7 @@ _STARTED = 0
 def list_models() -> Response:
     s = services()
     cards = [
-        ModelCard(id=name, created=_STARTED, max_model_len=s.settings.max_model_len)
+        ModelCard(id=name, created=_STARTED, max_model_len=s.max_model_len)
         for name in sorted(s.served_models)
     ]
     return jsonify(ModelList(data=cards).model_dump())

@@ -19,7 +19,7 @@ from app.events import JobEvents
 from app.ids import new_id
 from app.models import Batch, BatchStatus, File, FilePurpose, JobStatus
 from app.queue import JobQueue
-from app.services.batches import BATCH_COUNTS, end_lines, output_lines, tell_ended
+from app.services.batches import BATCH_COUNTS, end_lines, materialize, output_lines, tell_ended
 from app.services.fair_share import FairShare
 
 log = logging.getLogger("llmq.batches")
@@ -146,15 +146,34 @@ class BatchLifecycle:
             log.warning("batch expired", extra={"batch_id": batch_id, "lines_expired": len(ended)})
         return len(due)
 
+    def resume_validating(self, grace_seconds: float = 60.0) -> int:
+        """Batches left `validating` (the API died between committing the batch and
+        turning its lines into jobs) get their jobs now."""
+        with self._db.session() as s:
+            stale = list(
+                s.scalars(
+                    text(
+                        "SELECT id FROM batches WHERE status = 'validating' "
+                        "AND created_at < now() - make_interval(secs => :grace)"
+                    ),
+                    {"grace": grace_seconds},
+                )
+            )
+        resumed = sum(materialize(self._db, batch_id) for batch_id in stale)
+        if resumed:
+            log.warning("batches resumed from validating", extra={"batches": resumed})
+        return resumed
+
     def finalize_done(self) -> int:
-        """Batches with no line left to run get their output and error files and their
-        final status: completed, cancelled (was cancelling) or expired."""
+        """Batches with no line left to run pass through `finalizing` (their output and
+        error files are measured) to their final status: completed, cancelled (was
+        cancelling) or expired. A batch left `finalizing` by a crash is finished here."""
         with self._db.session() as s:
             candidates = list(
                 s.scalars(
                     text(
-                        "SELECT b.id FROM batches b WHERE b.status IN ('in_progress', 'cancelling') "
-                        "AND NOT EXISTS "
+                        "SELECT b.id FROM batches b "
+                        "WHERE b.status IN ('in_progress', 'cancelling', 'finalizing') AND NOT EXISTS "
                         "(SELECT 1 FROM jobs j WHERE j.batch_id = b.id AND j.status IN ('queued', 'running'))"
                     )
                 )
@@ -164,24 +183,39 @@ class BatchLifecycle:
         return len(candidates)
 
     def _finalize(self, batch_id: str) -> None:
-        now = datetime.now(UTC)
         with self._db.session() as s:
             batch = s.scalar(select(Batch).where(Batch.id == batch_id).with_for_update())
             if batch is None or batch.status not in (
                 BatchStatus.IN_PROGRESS.value,
                 BatchStatus.CANCELLING.value,
+                BatchStatus.FINALIZING.value,
             ):
                 return
-            counts = {row.status: row for row in s.execute(BATCH_COUNTS, {"batch": batch_id})}
-            batch.finalizing_at = now
-            succeeded = counts[JobStatus.SUCCEEDED.value].n if JobStatus.SUCCEEDED.value in counts else 0
-            others = sum(row.n for status, row in counts.items() if status != JobStatus.SUCCEEDED.value)
-            if succeeded:
-                batch.output_file_id = self._output_file(s, batch, "output")
-            if others:
-                batch.error_file_id = self._output_file(s, batch, "errors")
+            if batch.status != BatchStatus.FINALIZING.value:
+                batch.status = BatchStatus.FINALIZING.value
+                batch.finalizing_at = datetime.now(UTC)
+        # Every line has ended, so the files' contents are fixed: measure them with no
+        # lock held (rendering a 50,000-line output takes a while).
+        with self._db.session() as s:
+            counts = {row.status: row.n for row in s.execute(BATCH_COUNTS, {"batch": batch_id})}
+        succeeded = counts.get(JobStatus.SUCCEEDED.value, 0)
+        others = sum(n for status, n in counts.items() if status != JobStatus.SUCCEEDED.value)
+        sizes = {
+            part: sum(len(line) for line in output_lines(self._db, batch_id, part))
+            for part, lines in (("output", succeeded), ("errors", others))
+            if lines
+        }
+        now = datetime.now(UTC)
+        with self._db.session() as s:
+            batch = s.scalar(select(Batch).where(Batch.id == batch_id).with_for_update())
+            if batch is None or batch.status != BatchStatus.FINALIZING.value:
+                return  # another finalizer got there first
+            if "output" in sizes:
+                batch.output_file_id = self._output_file(s, batch, "output", sizes["output"])
+            if "errors" in sizes:
+                batch.error_file_id = self._output_file(s, batch, "errors", sizes["errors"])
             values: dict[str, Any]
-            if batch.status == BatchStatus.CANCELLING.value:
+            if batch.cancelling_at is not None:
                 values = {"status": BatchStatus.CANCELLED.value, "cancelled_at": now}
             elif batch.expired_at is not None:
                 values = {"status": BatchStatus.EXPIRED.value}
@@ -199,9 +233,9 @@ class BatchLifecycle:
             },
         )
 
-    def _output_file(self, s: Any, batch: Batch, part: str) -> str:
+    @staticmethod
+    def _output_file(s: Any, batch: Batch, part: str, size: int) -> str:
         file_id = new_id("file")
-        size = sum(len(line) for line in output_lines(self._db, batch.id, part))
         s.add(
             File(
                 id=file_id,

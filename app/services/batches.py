@@ -3,6 +3,7 @@ INSERT ... SELECT; progress, output and error files are read from those rows."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
@@ -11,12 +12,13 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
 from sqlalchemy import select, text, update
+from sqlalchemy.exc import SQLAlchemyError
 
 from app.db import Database
 from app.errors import Conflict, InvalidRequest, NotFound
 from app.events import JobEvents, end_event
 from app.ids import new_id
-from app.models import Batch, BatchStatus, File, FilePurpose, Job, JobStatus
+from app.models import Batch, BatchStatus, File, FilePurpose, Job, JobStatus, Tenant
 from app.schemas.base import unix_time
 from app.schemas.batches import (
     BATCH_ENDPOINTS,
@@ -33,6 +35,7 @@ from app.schemas.batches import (
 from app.services.idempotency import IdempotencyKey, IdempotencyLocks
 from app.services.keys import Principal
 from app.services.parsing import parse_model
+from app.services.priority import PriorityBand
 from app.services.quotas import check_batch_lines
 
 log = logging.getLogger("llmq.batches")
@@ -76,6 +79,22 @@ BATCH_COUNTS = text(
            coalesce(sum((usage->'prompt_tokens_details'->>'cached_tokens')::bigint), 0) AS cached
     FROM jobs WHERE batch_id = :batch GROUP BY status
     """
+)
+
+
+# The same figures for a page of batches at once, and each batch's model (its first line's).
+BATCH_COUNTS_MANY = text(
+    """
+    SELECT batch_id, status, count(*) AS n,
+           coalesce(sum((usage->>'prompt_tokens')::bigint), 0) AS prompt,
+           coalesce(sum((usage->>'completion_tokens')::bigint), 0) AS completion,
+           coalesce(sum((usage->'prompt_tokens_details'->>'cached_tokens')::bigint), 0) AS cached
+    FROM jobs WHERE batch_id = ANY(:batches) GROUP BY batch_id, status
+    """
+)
+BATCH_MODELS = text(
+    "SELECT DISTINCT ON (batch_id) batch_id, model FROM jobs WHERE batch_id = ANY(:batches) "
+    "ORDER BY batch_id, line_no"
 )
 
 
@@ -186,28 +205,25 @@ class BatchService:
                 endpoint=req.endpoint,
                 input_file_id=f.id,
                 completion_window=req.completion_window,
-                status=BatchStatus.IN_PROGRESS.value,
+                status=BatchStatus.VALIDATING.value,
                 metadata_=req.metadata,
                 total=f.line_count,
                 parent_batch_id=parent,
                 idempotency_key=idem.key if idem else None,
                 request_hash=idem.fingerprint if idem else None,
                 created_at=now,
-                in_progress_at=now,
                 expires_at=now + timedelta(seconds=seconds),
             )
             s.add(batch)
-            s.flush()
-            s.execute(
-                _CREATE_JOBS,
-                {
-                    "suffix": batch.id.removeprefix("batch_"),
-                    "tenant": principal.tenant_id,
-                    "batch": batch.id,
-                    "file": f.id,
-                    "default_priority": band.default,
-                },
-            )
+        # `validating` is committed on its own, so it is seen while the lines become jobs;
+        # a batch left there by a crash is taken up again by the lifecycle. One whose
+        # caller is told it failed must not run later: it ends `failed`.
+        try:
+            materialize(self._db, batch.id)
+        except Exception:
+            with contextlib.suppress(SQLAlchemyError):
+                fail_validating(self._db, batch.id)
+            raise
         log.info(
             "batch created", extra={"batch_id": batch.id, "lines": batch.total, "tenant": principal.tenant_id}
         )
@@ -245,17 +261,24 @@ class BatchService:
     def list(self, principal: Principal, *, after: str | None, limit: int) -> BatchList:
         if not 1 <= limit <= 100:
             raise InvalidRequest("`limit` must be between 1 and 100", param="limit")
-        q = select(Batch.id).where(Batch.tenant_id == principal.tenant_id)
+        q = select(Batch).where(Batch.tenant_id == principal.tenant_id)
         if after:
             q = q.where(Batch.id < after)
         with self._db.session() as s:
-            ids = list(s.scalars(q.order_by(Batch.id.desc()).limit(limit + 1)))
-        data = [self.get(principal, i) for i in ids[:limit]]
+            batches = list(s.scalars(q.order_by(Batch.id.desc()).limit(limit + 1)))
+            page = [b.id for b in batches[:limit]]
+            counts: dict[str, list[Any]] = {i: [] for i in page}
+            models: dict[str, str] = {}
+            if page:
+                for row in s.execute(BATCH_COUNTS_MANY, {"batches": page}):
+                    counts[row.batch_id].append(row)
+                models = {row.batch_id: row.model for row in s.execute(BATCH_MODELS, {"batches": page})}
+        data = [to_batch_object(b, counts[b.id], models.get(b.id)) for b in batches[:limit]]
         return BatchList(
             data=data,
             first_id=data[0].id if data else None,
             last_id=data[-1].id if data else None,
-            has_more=len(ids) > limit,
+            has_more=len(batches) > limit,
         )
 
     # --- cancel and retry ---------------------------------------------------------------
@@ -272,17 +295,19 @@ class BatchService:
         now = datetime.now(UTC)
         with self._db.session() as s:
             batch = self._load(s, principal, batch_id)
-            if batch.status in (BatchStatus.CANCELLING.value, BatchStatus.CANCELLED.value):
-                return self.get(principal, batch_id)
-            if batch.status not in ACTIVE:
+            already = batch.status in (BatchStatus.CANCELLING.value, BatchStatus.CANCELLED.value)
+            if not already and batch.status not in ACTIVE:
                 raise Conflict(
                     f"batch {batch_id} already {batch.status}", param="batch_id", code="batch_not_cancellable"
                 )
-            s.execute(
-                update(Batch)
-                .where(Batch.id == batch_id)
-                .values(status=BatchStatus.CANCELLING.value, cancelling_at=now)
-            )
+            if not already:
+                s.execute(
+                    update(Batch)
+                    .where(Batch.id == batch_id)
+                    .values(status=BatchStatus.CANCELLING.value, cancelling_at=now)
+                )
+        if already:
+            return self.get(principal, batch_id)
         ended = end_lines(self._db, batch_id, JobStatus.CANCELLED)
         tell_ended(self._events, ended, JobStatus.CANCELLED)
         log.info("batch cancelling", extra={"batch_id": batch_id, "lines_cancelled": len(ended)})
@@ -348,6 +373,46 @@ class BatchService:
             "metadata": batch.metadata_,
         }
         return self.create(principal, payload, parent=batch_id)
+
+
+def materialize(db: Database, batch_id: str) -> bool:
+    """Turn a `validating` batch's input lines into its jobs (one INSERT ... SELECT) and
+    move it to `in_progress`. Idempotent: a batch no longer validating (done already, or
+    cancelled meanwhile) is left as it is. Returns whether this call did it."""
+    with db.session() as s:
+        batch = s.scalar(select(Batch).where(Batch.id == batch_id).with_for_update())
+        if batch is None or batch.status != BatchStatus.VALIDATING.value:
+            return False
+        tenant = s.get(Tenant, batch.tenant_id)
+        band = PriorityBand(tenant.priority_min, tenant.priority_max) if tenant else PriorityBand()
+        s.execute(
+            _CREATE_JOBS,
+            {
+                "suffix": batch.id.removeprefix("batch_"),
+                "tenant": batch.tenant_id,
+                "batch": batch.id,
+                "file": batch.input_file_id,
+                "default_priority": band.default,
+            },
+        )
+        batch.status = BatchStatus.IN_PROGRESS.value
+        batch.in_progress_at = datetime.now(UTC)
+    return True
+
+
+def fail_validating(db: Database, batch_id: str) -> None:
+    """End a batch whose lines could not be turned into jobs (the caller got an error)."""
+    error = {"code": "batch_not_created", "message": "the batch's requests could not be created"}
+    with db.session() as s:
+        s.execute(
+            update(Batch)
+            .where(Batch.id == batch_id, Batch.status == BatchStatus.VALIDATING.value)
+            .values(
+                status=BatchStatus.FAILED.value,
+                failed_at=datetime.now(UTC),
+                errors={"object": "list", "data": [error]},
+            )
+        )
 
 
 def tell_ended(events: JobEvents, ended: list[tuple[str, int, str]], status: JobStatus) -> None:

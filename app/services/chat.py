@@ -55,6 +55,11 @@ class ChatService:
         LlmqError: the job itself failed; its error, with the status its type implies.
         """
         request = self._jobs.validate(payload, streaming=not bench)
+        if request.stream_options is not None and not request.stream:
+            # As OpenAI: options for a stream that was not asked for are a mistake, not a no-op.
+            raise InvalidRequest(
+                "`stream_options` is only allowed when `stream` is true", param="stream_options"
+            )
         if bench and request.completion_limit() is None:
             raise InvalidRequest(
                 "bench requests need `max_tokens`: they generate exactly that many", param="max_tokens"

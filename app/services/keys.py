@@ -13,6 +13,7 @@ from sqlalchemy.dialects.postgresql import insert
 from app.db import Database
 from app.errors import NotFound, Unauthorized
 from app.ids import new_id
+from app.logs import remember_secret
 from app.models import ApiKey, Tenant
 from app.services.priority import PriorityBand
 
@@ -65,6 +66,7 @@ class KeyService:
         """
         tenant_id = self.ensure_tenant(tenant)
         key = key or generate_key()
+        remember_secret(key)
         with self._db.session() as s:
             existing = s.scalar(select(ApiKey).where(ApiKey.key_hash == hash_key(key)))
             if existing is not None:
@@ -98,6 +100,7 @@ class KeyService:
             ).first()
         if row is None:
             raise Unauthorized("invalid API key")
+        remember_secret(key)
         return Principal(
             tenant_id=row.tenant_id,
             key_id=row.id,

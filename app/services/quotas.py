@@ -9,7 +9,7 @@ from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
 from app.errors import RateLimited
-from app.models import Job, JobStatus
+from app.models import Batch, BatchStatus, Job, JobStatus
 
 _ACTIVE = (JobStatus.QUEUED.value, JobStatus.RUNNING.value)
 _LOCK = text("SELECT pg_advisory_xact_lock(hashtextextended(:key, 0))")
@@ -27,7 +27,15 @@ def _unfinished(s: Session, tenant_id: str, *, batch_lines: bool) -> int:
         .select_from(Job)
         .where(Job.tenant_id == tenant_id, in_batch, Job.status.in_(_ACTIVE))
     )
-    return int(s.scalar(q) or 0)
+    unfinished = int(s.scalar(q) or 0)
+    if batch_lines:
+        # A batch still `validating` has committed its row but not yet its job rows: its
+        # lines count already, or two creates could both see room only one may use.
+        validating = select(func.coalesce(func.sum(Batch.total), 0)).where(
+            Batch.tenant_id == tenant_id, Batch.status == BatchStatus.VALIDATING.value
+        )
+        unfinished += int(s.scalar(validating) or 0)
+    return unfinished
 
 
 def check_single_jobs(s: Session, tenant_id: str, cap: int) -> None:

@@ -295,7 +295,7 @@ def test_a_line_over_the_line_limit_refuses_the_upload_by_number(stores) -> None
     settings = make_settings(stores, max_line_bytes=4096)
     services = build_services(settings, db_pool_size=2)
     try:
-        client = create_app(settings, services=services).test_client()
+        client = create_app(services=services).test_client()
         key = services.keys.create_key("tenant-long-line")
         data = jsonl([line(1), line(2, messages=[{"role": "user", "content": "x" * 5000}]), line(3)])
         r = upload(client, key, data)

@@ -140,7 +140,7 @@ def test_concurrent_submits_at_the_cap_create_exactly_the_cap(stores: Stores) ->
 def test_batch_lines_have_a_per_tenant_cap(stores: Stores) -> None:
     settings = make_settings(stores, max_active_batch_lines_per_tenant=3)
     services = build_services(settings)
-    client = create_app(settings, services=services).test_client()
+    client = create_app(services=services).test_client()
     key = services.keys.create_key(f"tenant-lines-{secrets.token_hex(3)}")
     assert make_batch(client, key, [line(1), line(2)]).status_code == 200
     r = make_batch(client, key, [line(1), line(2)])

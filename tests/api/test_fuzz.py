@@ -5,6 +5,7 @@ shape on every refusal. A short run here; `bash scripts/fuzz.sh` is the long one
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 import schemathesis
@@ -13,18 +14,23 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import positive_data_acceptance
 
 from app.api import create_app
-from app.settings import Settings
+from app.container import build_services
+from tests.conftest import Stores, make_settings
 
 EXAMPLES = int(os.environ.get("LLMQ_FUZZ_EXAMPLES", "12"))
 
 
 @pytest.fixture(scope="module")
-def fuzz_app(settings: Settings, services) -> Flask:  # type: ignore[no-untyped-def]
+def fuzz_app(stores: Stores) -> Iterator[Flask]:
     # The sync endpoints would wait for a worker that does not exist here; a short wait
     # returns the 202 the spec allows. The limiter would answer the fuzzer with 429s.
-    quick = settings.model_copy(update={"sync_wait_seconds": 0.05, "rate_limit_per_minute": 0})
-    services.limiter.per_minute = 0
-    return create_app(quick, services=services)
+    # Services read their settings when built, so the fixture builds its own from the
+    # settings it wants (a patched attribute or settings passed beside services would not
+    # reach them).
+    services = build_services(make_settings(stores, sync_wait_seconds=0.05, rate_limit_per_minute=0))
+    assert not services.limiter.enabled
+    yield create_app(services=services)
+    services.close()
 
 
 def fuzz(operation, keys: list[str]) -> None:  # type: ignore[no-untyped-def]

@@ -38,7 +38,7 @@ def client_for(stores: Stores, mode: str) -> tuple[FlaskClient, str]:
     settings = make_settings(stores, health_details=mode)
     services = build_services(settings)
     key = services.keys.create_key(f"tenant-health-{secrets.token_hex(3)}")
-    return create_app(settings, services=services).test_client(), key
+    return create_app(services=services).test_client(), key
 
 
 def shows_worker(client: FlaskClient, headers: dict[str, str]) -> tuple[bool, bool]:

@@ -54,7 +54,7 @@ def quick(stores: Stores) -> Iterator[tuple[FlaskClient, str]]:
     settings = make_settings(stores, sync_wait_seconds=0.05)
     services = build_services(settings)
     key = services.keys.create_key(f"tenant-hostile-{secrets.token_hex(3)}")
-    yield create_app(settings, services=services).test_client(), key
+    yield create_app(services=services).test_client(), key
     services.close()
 
 

@@ -103,7 +103,7 @@ def test_bad_idempotency_key(client: FlaskClient, key) -> None:
 def test_one_key_flooding_gets_429_and_others_do_not(stores: Stores) -> None:
     settings = make_settings(stores, rate_limit_per_minute=60, rate_limit_burst=3)
     services = build_services(settings)
-    client = create_app(settings, services=services).test_client()
+    client = create_app(services=services).test_client()
     flood = services.keys.create_key(f"tenant-flood-{secrets.token_hex(3)}")
     calm = services.keys.create_key(f"tenant-calm-{secrets.token_hex(3)}")
     codes = [client.get("/v2/jobs", headers=auth(flood)).status_code for _ in range(5)]
@@ -118,7 +118,7 @@ def test_one_key_flooding_gets_429_and_others_do_not(stores: Stores) -> None:
 def test_active_job_cap_per_tenant(stores: Stores) -> None:
     settings = make_settings(stores, max_active_jobs_per_tenant=2)
     services = build_services(settings)
-    client = create_app(settings, services=services).test_client()
+    client = create_app(services=services).test_client()
     api_key = services.keys.create_key(f"tenant-cap-{secrets.token_hex(3)}")
     assert [post(client, api_key, None, body()).status_code for _ in range(3)] == [202, 202, 429]
     services.close()
@@ -134,7 +134,7 @@ def wrong_key(client: FlaskClient, addr: str, forwarded: str | None = None) -> i
 def test_wrong_keys_are_limited_per_address_and_a_right_key_still_works(stores: Stores) -> None:
     settings = make_settings(stores, auth_failures_per_minute=60, auth_failure_burst=3)
     services = build_services(settings)
-    client = create_app(settings, services=services).test_client()
+    client = create_app(services=services).test_client()
     attacker = f"198.51.100.{secrets.randbelow(250)}"
     assert [wrong_key(client, attacker) for _ in range(5)] == [401, 401, 401, 429, 429]
     limited = client.get("/v2/jobs", environ_base={"REMOTE_ADDR": attacker})  # no key at all
@@ -154,7 +154,7 @@ def test_wrong_keys_are_limited_per_address_and_a_right_key_still_works(stores: 
 def test_trusted_proxy_hops_read_the_address_the_proxy_saw(stores: Stores) -> None:
     settings = make_settings(stores, auth_failures_per_minute=60, auth_failure_burst=2, trusted_proxy_hops=1)
     services = build_services(settings)
-    client = create_app(settings, services=services).test_client()
+    client = create_app(services=services).test_client()
     proxy = "10.0.0.2"
     client_a = f"192.0.2.{secrets.randbelow(250)}"
     # The left part is the client's to forge; the proxy appended the address it saw.

@@ -107,7 +107,7 @@ def quick(stores: Stores) -> Iterator[Services]:
 
 @pytest.fixture(scope="module")
 def quick_app(quick: Services) -> Flask:
-    return create_app(quick.settings, services=quick)
+    return create_app(services=quick)
 
 
 def new_key(services: Services) -> str:

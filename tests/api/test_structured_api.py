@@ -65,7 +65,7 @@ def roomy(stores: Stores) -> Iterator[tuple[FlaskClient, str]]:
         max_grammar_rules=100_000,
     )
     services = build_services(settings)
-    app: Flask = create_app(settings, services=services)
+    app: Flask = create_app(services=services)
     yield app.test_client(), services.keys.create_key(f"tenant-structured-{secrets.token_hex(3)}")
     services.close()
 

@@ -225,7 +225,7 @@ def fault_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultStack
         pg=pg,
         redis=redis,
         services=services,
-        client=create_app(settings, services=services).test_client(),
+        client=create_app(services=services).test_client(),
         key=services.keys.create_key("tenant-faults"),
     )
     try:

@@ -30,6 +30,14 @@ def log_text(worker: WorkerProcess) -> str:
     return worker.log_path.read_text(errors="replace")
 
 
+def wait_unready(stack: FaultStack, timeout: float = 30) -> None:
+    """Until the API's readiness check sees the outage (a store down), not a fixed time."""
+    deadline = time.monotonic() + timeout
+    while stack.client.get("/readyz").status_code == 200:
+        assert time.monotonic() < deadline, "the outage was never seen by /readyz"
+        time.sleep(0.1)
+
+
 def test_r1_kill_9_half_way_keeps_finished_lines(fault_stack: FaultStack) -> None:
     first = fault_stack.worker("r1-a")
     batch = fault_stack.batch(300, max_tokens=100)
@@ -61,12 +69,14 @@ def test_r4_paused_worker_is_fenced_off(fault_stack: FaultStack) -> None:
     batch = fault_stack.batch(48, max_tokens=400)  # 4 s a line
     fault_stack.wait_rows(batch, "status = 'running'", 16)
     os.killpg(stale.proc.pid, signal.SIGSTOP)  # type: ignore[union-attr]
-    paused_at = time.monotonic()
     taken = set(fault_stack.rows(batch, "status = 'running'"))
     fault_stack.worker("r4-b")
     # Its leases lapse (3 s), the sweeper of the new worker requeues them, the new one runs them.
     fault_stack.wait_rows(batch, "status = 'succeeded' AND attempts = 2", 1, timeout=60)
-    time.sleep(max(0.0, 8 - (time.monotonic() - paused_at)))
+    # Resume the stale worker only once every line it held was taken over by the new one,
+    # so each of its late writes meets a newer epoch.
+    held = ", ".join(f"'{job_id}'" for job_id in taken)
+    fault_stack.wait_rows(batch, f"id IN ({held}) AND attempts >= 2", len(taken), timeout=120)
     os.killpg(stale.proc.pid, signal.SIGCONT)  # type: ignore[union-attr]
     done = fault_stack.wait_batch(batch, timeout=180)
     assert done["status"] == "completed"
@@ -86,7 +96,7 @@ def test_r5_redis_restart_during_enqueue_and_processing(fault_stack: FaultStack)
     # Submitted while Redis is down: accepted and durable.
     body = {"model": MODEL, "messages": [{"role": "user", "content": "during the outage"}], "max_tokens": 5}
     during = fault_stack.client.post("/v2/jobs", json=body, headers=auth(fault_stack.key))
-    time.sleep(1.0)
+    wait_unready(fault_stack)
     fault_stack.start_redis()
     restarted = time.monotonic()
     done = fault_stack.wait_batch(batch, timeout=180)
@@ -131,7 +141,11 @@ def test_r7_postgres_restart_while_results_are_written(fault_stack: FaultStack) 
     batch = fault_stack.batch(200, max_tokens=50)
     fault_stack.wait_rows(batch, "status = 'succeeded'", 40)
     fault_stack.stop_pg()
-    time.sleep(3.0)
+    # Down until the worker has met the outage (a result write retried), not a fixed time.
+    deadline = time.monotonic() + 60
+    while "retrying the write" not in log_text(worker):
+        assert time.monotonic() < deadline, "the worker never met the outage"
+        time.sleep(0.2)
     fault_stack.start_pg()
     done = fault_stack.wait_batch(batch, timeout=180)
     assert done["status"] == "completed" and done["request_counts"]["completed"] == 200

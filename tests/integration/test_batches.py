@@ -155,7 +155,14 @@ def test_cancel_half_way_keeps_the_finished_half(stack: Stack, services) -> None
     assert len(output) == len(after)
     assert all(x["response"] is None and x["error"]["code"] == "batch_cancelled" for x in errors)
     check_inv(services, batch.id, 600, output, errors)
-    time.sleep(2)  # no line finishes after the cancel was acknowledged
+    # No line finishes after the cancel was acknowledged: wait until no worker holds a
+    # message naming one of its lines (acknowledged once its task ended, fenced or not).
+    with services.db.session() as s:
+        lines_ = set(s.scalars(text("SELECT id FROM jobs WHERE batch_id = :b"), {"b": batch.id}))
+    deadline = time.monotonic() + 60
+    while lines_ & services.queue.delivered_job_ids():
+        assert time.monotonic() < deadline, "a worker still holds lines of the cancelled batch"
+        time.sleep(0.2)
     with services.db.session() as s:
         assert s.execute(
             text("SELECT count(*) FROM jobs WHERE batch_id = :b AND status = 'succeeded'"), {"b": batch.id}
@@ -193,7 +200,7 @@ MODEL = "tiny-batch-crash"
 def test_kill_9_worker_half_way_then_restart(stores: Stores, tiny_model: Path, logs_dir: Path) -> None:
     settings = make_settings(stores, model=str(tiny_model), served_model_name=MODEL)
     services = build_services(settings)
-    client = create_app(settings, services=services).test_client()
+    client = create_app(services=services).test_client()
     key = services.keys.create_key("tenant-batch-crash")
     env = stack_env(stores, tiny_model, MODEL)
     first = WorkerProcess(env, logs_dir / "batch-crash-1.log").start()

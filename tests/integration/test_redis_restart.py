@@ -44,7 +44,11 @@ def test_redis_restart_mid_stream(stores: Stores, tiny_model: Path, logs_dir: Pa
             it = events(r)
             received += [next(it) for _ in range(3)]
         redis_server.stop()
-        time.sleep(1.0)
+        # Until the API sees the outage, not a fixed time.
+        deadline = time.monotonic() + 30
+        while client.get("/readyz").status_code == 200:
+            assert time.monotonic() < deadline, "the outage was never seen by /readyz"
+            time.sleep(0.1)
         redis_server = redis_start(data, port, persistent=False)
         # Resume until the end, reconnecting whenever the connection breaks.
         deadline = time.monotonic() + 180

@@ -24,7 +24,7 @@ MODEL = "tiny-crash"
 def test_kill_9_worker_mid_run_then_restart(stores: Stores, tiny_model: Path, logs_dir: Path) -> None:
     settings = make_settings(stores, model=str(tiny_model), served_model_name=MODEL)
     services = build_services(settings)
-    client: FlaskClient = create_app(settings, services=services).test_client()
+    client: FlaskClient = create_app(services=services).test_client()
     key = services.keys.create_key("tenant-crash")
     env = stack_env(stores, tiny_model, MODEL)
 

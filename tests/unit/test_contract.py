@@ -67,7 +67,7 @@ HONOURED_EXAMPLES = {
     "continue_final_message": True,
     "add_special_tokens": True,
     "documents": [{"title": "t", "text": "x"}],
-    "chat_template": None,
+    "chat_template": "{{ messages[0].content }}",  # honoured where the setting allows it
     "chat_template_kwargs": {"enable_thinking": False},
     "guided_json": {"type": "object"},
     "guided_regex": "a+",
@@ -119,7 +119,15 @@ def test_each_field_not_honoured_is_refused_by_name(name: str) -> None:
 @pytest.mark.parametrize("name", sorted(HONOURED_EXAMPLES))
 def test_each_honoured_field_passes(name: str) -> None:
     fields = {**NEEDS.get(name, {}), name: HONOURED_EXAMPLES[name]}
-    POLICY.check(req(**fields), streaming=True)
+    # Every example asks for something (a None would be skipped, checking nothing).
+    assert HONOURED_EXAMPLES[name] is not None
+    policy = POLICY
+    if name == "chat_template":
+        allowing = SETTINGS.model_copy(update={"allow_custom_chat_template": True})
+        policy = RequestPolicy(allowing, frozenset({"m"}))
+        with pytest.raises(Unsupported):
+            POLICY.check(req(**fields), streaming=True)
+    policy.check(req(**fields), streaming=True)
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -34,6 +34,13 @@ def make_runner(loop: LoopThread, engine: InstantEngine, store: FakeStore, strea
             "w1", lease_seconds=30, max_attempts=3, job_timeout_seconds=30, system_fingerprint="fp_test"
         ),
     )
+
+
+def wait_until(condition: Callable[[], object], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.005)
 
 
 def body(**fields) -> dict:
@@ -82,15 +89,18 @@ def test_cancel_keeps_partial_text(loop: LoopThread) -> None:
     result: list[str | None] = []
     t = threading.Thread(target=lambda: result.append(runner.run("job_1")))
     t.start()
-    deadline = time.monotonic() + 5
-    while not runner.inflight() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.1)
+    # Cancel once some text has been streamed, so there is partial text to keep.
+    wait_until(lambda: "tok1" in str(list(events.shipped.get("job_1", []))))
     assert runner.cancel("job_1")
     t.join(5)
     assert result == ["cancelled"]
-    text = store.jobs["job_1"]["response"]["choices"][0]["message"]["content"]
-    assert text.startswith("tok0 tok1")
+    choice = store.jobs["job_1"]["response"]["choices"][0]
+    assert choice["message"]["content"].startswith("tok0 tok1")
+    # Not "stop": the model did not end its answer (vLLM says "abort", outside the API's set).
+    assert choice["finish_reason"] == "error"
+    chunks = [e["data"] for e in events.shipped["job_1"] if e["type"] == "chunk"]
+    last = [c for chunk in chunks for c in chunk["choices"] if c["finish_reason"]]
+    assert [c["finish_reason"] for c in last] == ["error"]
     assert 0 < store.jobs["job_1"]["usage"]["completion_tokens"] < 1000
 
 

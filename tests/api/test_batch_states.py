@@ -1,0 +1,210 @@
+"""Batches seen from outside: every state of OpenAI's lifecycle is committed on its own
+(so a reader can see it), the listing costs the same number of queries whatever the page
+size, and finalizing measures its files without holding the batch's row lock."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import psycopg
+import pytest
+from flask.testing import FlaskClient
+from sqlalchemy import event, text
+
+from app.container import Services
+from app.services import batch_lifecycle
+from app.services.batch_lifecycle import BatchLifecycle
+from tests.api.test_batches_api import create, jsonl, line, upload
+from tests.conftest import Stores, auth
+
+
+@pytest.fixture
+def tenant(services: Services) -> tuple[str, str]:
+    name = f"tenant-states-{secrets.token_hex(3)}"
+    return name, services.keys.create_key(name)
+
+
+def lifecycle(services: Services) -> BatchLifecycle:
+    return BatchLifecycle(services.db, services.queue, services.events, window=64, chunk=8)
+
+
+def succeed_all(services: Services, batch_id: str) -> None:
+    with services.db.session() as s:
+        s.execute(
+            text(
+                "UPDATE jobs SET status = 'succeeded', succeeded_at = now(), epoch = epoch + 1, "
+                "response = CAST(:r AS json) WHERE batch_id = :b"
+            ),
+            {"b": batch_id, "r": '{"object": "chat.completion", "choices": []}'},
+        )
+
+
+@contextmanager
+def counting(services: Services) -> Iterator[list[str]]:
+    statements: list[str] = []
+
+    def count(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        statements.append(statement)
+
+    event.listen(services.db.engine, "before_cursor_execute", count)
+    try:
+        yield statements
+    finally:
+        event.remove(services.db.engine, "before_cursor_execute", count)
+
+
+def test_listing_costs_the_same_queries_whatever_the_page_size(
+    client: FlaskClient, services: Services, tenant: tuple[str, str]
+) -> None:
+    _, key = tenant
+    f = upload(client, key, jsonl([line(i) for i in range(3)])).get_json()
+    for _ in range(12):
+        assert create(client, key, f["id"]).status_code == 200
+    costs = {}
+    for size in (1, 12):
+        with counting(services) as statements:
+            page = client.get(f"/v1/batches?limit={size}", headers=auth(key)).get_json()
+        assert len(page["data"]) == size
+        assert all(b["request_counts"]["total"] == 3 and b["model"] == "api-only" for b in page["data"])
+        costs[size] = len(statements)
+    assert costs[12] == costs[1], costs
+    assert costs[12] <= 5, costs  # the key, the page, its counts, its models
+
+
+def test_get_and_cancel_hold_one_connection_at_a_time(
+    client: FlaskClient, services: Services, tenant: tuple[str, str]
+) -> None:
+    _, key = tenant
+    f = upload(client, key, jsonl([line(0)])).get_json()
+    batch_id = create(client, key, f["id"]).get_json()["id"]
+    held, peak = [0], [0]
+
+    def checkout(*_: Any) -> None:
+        held[0] += 1
+        peak[0] = max(peak[0], held[0])
+
+    def checkin(*_: Any) -> None:
+        held[0] -= 1
+
+    event.listen(services.db.engine, "checkout", checkout)
+    event.listen(services.db.engine, "checkin", checkin)
+    try:
+        for _ in range(2):  # the second cancel finds the batch cancelling already
+            r = client.post(f"/v1/batches/{batch_id}/cancel", headers=auth(key))
+            assert r.status_code == 200 and r.get_json()["status"] == "cancelling"
+        client.get(f"/v1/batches/{batch_id}", headers=auth(key))
+    finally:
+        event.remove(services.db.engine, "checkout", checkout)
+        event.remove(services.db.engine, "checkin", checkin)
+    assert peak[0] == 1
+
+
+@contextmanager
+def audited(stores: Stores, tenant: str) -> Iterator[list[tuple[str, int]]]:
+    """Every status a batch of `tenant` is written with, and the transaction writing it."""
+    name = f"llmq_test_audit_{secrets.token_hex(3)}"
+    rows: list[tuple[str, int]] = []
+    with psycopg.connect(stores.database_url, autocommit=True) as conn:
+        conn.execute(f"CREATE TABLE {name} (n serial, status text, tx bigint)")
+        conn.execute(
+            f"CREATE FUNCTION {name}() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+            f"INSERT INTO {name} (status, tx) VALUES (NEW.status, txid_current()); RETURN NEW; END $$"
+        )
+        conn.execute(
+            f"CREATE TRIGGER {name} AFTER INSERT OR UPDATE ON batches FOR EACH ROW "
+            f"WHEN (NEW.tenant_id = '{tenant}') EXECUTE FUNCTION {name}()"
+        )
+    try:
+        yield rows
+    finally:
+        with psycopg.connect(stores.database_url, autocommit=True) as conn:
+            rows.extend((r[0], r[1]) for r in conn.execute(f"SELECT status, tx FROM {name} ORDER BY n"))
+            conn.execute(f"DROP TRIGGER {name} ON batches")
+            conn.execute(f"DROP FUNCTION {name}()")
+            conn.execute(f"DROP TABLE {name}")
+
+
+def transitions(rows: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    """The statuses in the order written, each with the transaction that first wrote it."""
+    out: list[tuple[str, int]] = []
+    for status, tx in rows:
+        if not out or out[-1][0] != status:
+            out.append((status, tx))
+    return out
+
+
+def test_lifecycle_commits_validating_and_finalizing(
+    client: FlaskClient, services: Services, stores: Stores, tenant: tuple[str, str]
+) -> None:
+    name, key = tenant
+    f = upload(client, key, jsonl([line(i) for i in range(4)])).get_json()
+    with audited(stores, name) as rows:
+        batch = create(client, key, f["id"]).get_json()
+        succeed_all(services, batch["id"])
+        assert lifecycle(services).finalize_done() >= 1
+    seen = transitions(rows)
+    assert [s for s, _ in seen] == ["validating", "in_progress", "finalizing", "completed"]
+    # Each state committed by itself: another reader could see it.
+    assert len({tx for _, tx in seen}) == 4
+    final = client.get(f"/v1/batches/{batch['id']}", headers=auth(key)).get_json()
+    assert final["created_at"] <= final["in_progress_at"] <= final["finalizing_at"] <= final["completed_at"]
+    assert final["request_counts"] == {"total": 4, "completed": 4, "failed": 0}
+
+
+def test_a_batch_left_validating_is_taken_up_again(
+    client: FlaskClient, services: Services, tenant: tuple[str, str]
+) -> None:
+    _, key = tenant
+    f = upload(client, key, jsonl([line(i) for i in range(3)])).get_json()
+    batch_id = create(client, key, f["id"]).get_json()["id"]
+    with services.db.session() as s:  # as if the API died after the first commit
+        s.execute(text("DELETE FROM jobs WHERE batch_id = :b"), {"b": batch_id})
+        s.execute(
+            text(
+                "UPDATE batches SET status = 'validating', in_progress_at = NULL, "
+                "created_at = now() - interval '5 minutes' WHERE id = :b"
+            ),
+            {"b": batch_id},
+        )
+    seen = client.get(f"/v1/batches/{batch_id}", headers=auth(key)).get_json()
+    assert seen["status"] == "validating" and seen["in_progress_at"] is None
+    assert lifecycle(services).resume_validating(grace_seconds=60) >= 1
+    resumed = client.get(f"/v1/batches/{batch_id}", headers=auth(key)).get_json()
+    assert resumed["status"] == "in_progress" and resumed["x_progress"]["queued"] == 3
+
+
+def test_finalizing_measures_files_without_the_row_lock(
+    client: FlaskClient,
+    services: Services,
+    stores: Stores,
+    tenant: tuple[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _, key = tenant
+    f = upload(client, key, jsonl([line(i) for i in range(5)])).get_json()
+    batch_id = create(client, key, f["id"]).get_json()["id"]
+    succeed_all(services, batch_id)
+    render = batch_lifecycle.output_lines
+    lock_free: list[bool] = []
+
+    def probe(db: Any, batch: str, part: str) -> Iterator[bytes]:
+        with psycopg.connect(stores.database_url, autocommit=True) as conn:
+            conn.execute("SET lock_timeout = '200ms'")
+            try:
+                conn.execute("SELECT 1 FROM batches WHERE id = %s FOR UPDATE", (batch,))
+                lock_free.append(True)
+            except psycopg.errors.LockNotAvailable:
+                lock_free.append(False)
+        yield from render(db, batch, part)
+
+    monkeypatch.setattr(batch_lifecycle, "output_lines", probe)
+    assert lifecycle(services).finalize_done() >= 1
+    assert lock_free == [True]
+    done = client.get(f"/v1/batches/{batch_id}", headers=auth(key)).get_json()
+    assert done["status"] == "completed"
+    meta = client.get(f"/v1/files/{done['output_file_id']}", headers=auth(key)).get_json()
+    content = client.get(f"/v1/files/{done['output_file_id']}/content", headers=auth(key)).data
+    assert meta["bytes"] == len(content) and len(content.splitlines()) == 5
