@@ -7,13 +7,10 @@ with Alembic) and its own Redis database number, flushed at start.
 
 from __future__ import annotations
 
-import os
 import secrets
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import psycopg
 import pytest
@@ -24,17 +21,7 @@ from flask.testing import FlaskClient
 from app.api import create_app
 from app.container import Services, build_services
 from app.settings import Settings
-
-ROOT = Path(__file__).resolve().parents[1]
-PG_URL = os.environ.get("LLMQ_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
-REDIS_URL = os.environ.get("LLMQ_TEST_REDIS_URL", "redis://127.0.0.1:6379")
-REDIS_DB = int(os.environ.get("LLMQ_TEST_REDIS_DB", "13"))
-
-
-@dataclass
-class Stores:
-    database_url: str
-    redis_url: str
+from tests.helpers import PG_URL, REDIS_DB, REDIS_URL, ROOT, Stores, make_settings
 
 
 def _pg_reachable(url: str) -> bool:
@@ -100,22 +87,6 @@ def stores() -> Iterator[Stores]:
             server.stop()
 
 
-def make_settings(stores: Stores, **overrides: Any) -> Settings:
-    base: dict[str, Any] = {
-        "database_url": stores.database_url,
-        "redis_url": stores.redis_url,
-        # No worker serves this name, so API tests' jobs stay queued.
-        "model": "api-only",
-        "served_model_name": "api-only",
-        "cancel_wait_seconds": 2.0,
-        "max_model_len": 2048,
-        # Many tests send wrong keys from one address; the limit has its own tests.
-        "auth_failures_per_minute": 0,
-    }
-    base.update(overrides)
-    return Settings(**base)
-
-
 @pytest.fixture(scope="session")
 def settings(stores: Stores) -> Settings:
     return make_settings(stores)
@@ -146,7 +117,3 @@ def tenant_keys(services: Services) -> dict[str, str]:
         "a": services.keys.create_key(f"tenant-a-{suffix}"),
         "b": services.keys.create_key(f"tenant-b-{suffix}"),
     }
-
-
-def auth(key: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"}

@@ -17,8 +17,7 @@ from sqlalchemy import event, text
 from app.container import Services
 from app.services import batch_lifecycle
 from app.services.batch_lifecycle import BatchLifecycle
-from tests.api.test_batches_api import create, jsonl, line, upload
-from tests.conftest import Stores, auth
+from tests.helpers import Stores, auth, create, jsonl, line, upload
 
 
 @pytest.fixture

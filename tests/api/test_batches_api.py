@@ -13,36 +13,7 @@ from sqlalchemy import text
 
 from app.schemas.batches import BatchObject, BatchOutputLine, FileObject
 from app.services.batch_lifecycle import BatchLifecycle
-from tests.conftest import auth
-
-
-def line(i: int, **body: Any) -> dict[str, Any]:
-    return {
-        "custom_id": f"req-{i}",
-        "method": "POST",
-        "url": "/v1/chat/completions",
-        "body": {
-            "model": "api-only",
-            "messages": [{"role": "user", "content": f"hi {i}"}],
-            "max_tokens": 5,
-            **body,
-        },
-    }
-
-
-def jsonl(lines: list[Any]) -> bytes:
-    return b"".join(
-        (json.dumps(x) if not isinstance(x, bytes) else x.decode("latin-1")).encode() + b"\n" for x in lines
-    )
-
-
-def upload(client: FlaskClient, key: str, data: bytes, purpose: str = "batch"):  # type: ignore[no-untyped-def]
-    return client.post(
-        "/v1/files",
-        data={"purpose": purpose, "file": (io.BytesIO(data), "input.jsonl")},
-        headers=auth(key),
-        content_type="multipart/form-data",
-    )
+from tests.helpers import auth, create, jsonl, line, upload
 
 
 def file_count(services, tenant: str) -> int:  # type: ignore[no-untyped-def]
@@ -139,11 +110,6 @@ def test_wrong_purpose_and_missing_file(client: FlaskClient, tenant) -> None:
         "/v1/files", data={"purpose": "batch"}, headers=auth(key), content_type="multipart/form-data"
     )
     assert r.status_code == 400 and r.get_json()["error"]["param"] == "file"
-
-
-def create(client: FlaskClient, key: str, file_id: str, **extra: Any):  # type: ignore[no-untyped-def]
-    body = {"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h", **extra}
-    return client.post("/v1/batches", json=body, headers=auth(key))
 
 
 def test_batch_lines_become_jobs_and_cancel_keeps_nothing_running(
@@ -290,7 +256,7 @@ def test_a_line_over_the_line_limit_refuses_the_upload_by_number(stores) -> None
     """A one-line file of 199 MB was accepted; each line now has a hard cap (LLMQ_MAX_LINE_BYTES)."""
     from app.api import create_app
     from app.container import build_services
-    from tests.conftest import make_settings
+    from tests.helpers import make_settings
 
     settings = make_settings(stores, max_line_bytes=4096)
     services = build_services(settings, db_pool_size=2)

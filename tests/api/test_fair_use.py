@@ -16,8 +16,7 @@ from app.cli.main import main as cli
 from app.container import build_services
 from app.errors import RateLimited
 from app.services.batch_lifecycle import BatchLifecycle
-from tests.api.test_batches_api import jsonl, line, upload
-from tests.conftest import Stores, auth, make_settings
+from tests.helpers import Stores, auth, jsonl, line, make_settings, upload
 
 
 def body(**fields: Any) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from flask.testing import FlaskClient
 from sqlalchemy import text
 
 from app.api.files import content_disposition
-from tests.conftest import auth
+from tests.helpers import auth
 
 HEADER = re.compile(
     r"""^attachment; filename="(?P<fallback>[\x20-\x7e]*)"; """

@@ -15,7 +15,7 @@ from schemathesis.checks import positive_data_acceptance
 
 from app.api import create_app
 from app.container import build_services
-from tests.conftest import Stores, make_settings
+from tests.helpers import Stores, make_settings
 
 EXAMPLES = int(os.environ.get("LLMQ_FUZZ_EXAMPLES", "12"))
 

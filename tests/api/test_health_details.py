@@ -13,7 +13,7 @@ from flask.testing import FlaskClient
 from app.api import create_app
 from app.container import build_services
 from app.services.health import register_worker, unregister_worker
-from tests.conftest import Stores, auth, make_settings
+from tests.helpers import Stores, auth, make_settings
 
 HOST = f"secret-host-{secrets.token_hex(3)}"
 NAME = f"llmq-4242@{HOST}"

@@ -14,7 +14,7 @@ from flask.testing import FlaskClient
 
 from app.api import create_app
 from app.container import build_services
-from tests.conftest import Stores, auth, make_settings
+from tests.helpers import Stores, auth, make_settings
 
 ROUTES = ["/v2/jobs", "/v1/chat/completions", "/v2/chat/completions", "/bench/chat/completions"]
 PREFIX = '{"model": "api-only", "max_tokens": 4, '

@@ -9,7 +9,7 @@ import pytest
 from flask.testing import FlaskClient
 
 from app.schemas.jobs import ErrorResponse, JobList, JobObject
-from tests.conftest import auth
+from tests.helpers import auth
 
 
 def body(**fields) -> dict:

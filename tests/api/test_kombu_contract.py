@@ -17,7 +17,7 @@ from kombu import Consumer, Exchange, Queue
 from redis import Redis
 
 from app.queue import UNACKED, UNACKED_INDEX, JobQueue, create_producer, queue_name
-from tests.conftest import Stores, make_settings
+from tests.helpers import Stores, make_settings
 
 
 @pytest.fixture

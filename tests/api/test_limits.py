@@ -12,7 +12,7 @@ from sqlalchemy import text
 from app.api import create_app
 from app.container import build_services
 from app.services.idempotency import IdempotencyKey
-from tests.conftest import Stores, auth, make_settings
+from tests.helpers import Stores, auth, make_settings
 
 
 def body(**fields) -> dict:

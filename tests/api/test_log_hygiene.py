@@ -21,7 +21,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from app.container import Services
 from app.logs import JsonFormatter, KeyValueFormatter, configure_logging, mask_secrets
 from app.settings import Settings
-from tests.conftest import Stores, auth
+from tests.helpers import Stores, auth
 from tests.unit.fakes import FakeStreams
 from worker.engine import ByteRenderer, InstantEngine
 from worker.loop import LoopThread

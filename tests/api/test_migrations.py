@@ -9,7 +9,7 @@ from alembic import command
 from alembic.config import Config
 
 from app.cli.stack import REPO_ROOT
-from tests.conftest import Stores
+from tests.helpers import Stores
 
 
 def _config(url: str) -> Config:

@@ -9,7 +9,7 @@ import pytest
 import redis as redis_lib
 from redis import Redis
 
-from tests.conftest import REDIS_DB, Stores
+from tests.helpers import REDIS_DB, Stores
 from tests.redis_contract import *  # noqa: F403 - the shared tests are collected here
 
 

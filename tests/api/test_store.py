@@ -2,24 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from sqlalchemy import text
 
-from app.schemas.chat import ChatCompletionV2Request
+from tests.helpers import queued, response
 from worker.store import JobStore, Result
-
-
-def queued(services, n: int) -> list[str]:  # type: ignore[no-untyped-def]
-    principal = services.keys.authenticate(services.keys.create_key("tenant-store"))
-    req = ChatCompletionV2Request.model_validate(
-        {"model": "api-only", "messages": [{"role": "user", "content": "x"}]}
-    )
-    return [services.jobs.submit_request(principal, req).id for _ in range(n)]
-
-
-def response(content: str) -> dict[str, Any]:
-    return {"choices": [{"index": 0, "message": {"role": "assistant", "content": content}}]}
 
 
 def test_bulk_results_keep_nul_characters_and_respect_the_fence(services) -> None:

@@ -21,8 +21,7 @@ from sqlalchemy import text
 from app.api import create_app
 from app.container import Services, build_services
 from app.events import job_channel, job_stream, notification
-from tests.api.test_batches_api import jsonl, line, upload
-from tests.conftest import Stores, auth, make_settings
+from tests.helpers import Stores, auth, jsonl, line, make_settings, upload
 
 DONE = "data: [DONE]\n\n"
 

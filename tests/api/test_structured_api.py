@@ -18,7 +18,7 @@ from flask.testing import FlaskClient
 from app.api import create_app
 from app.container import build_services
 from tests.bombs import chained_grammar, ref_chain_schema
-from tests.conftest import ROOT, Stores, auth, make_settings
+from tests.helpers import ROOT, Stores, auth, make_settings
 
 
 def body(model: str = "api-only", **fields) -> dict:

@@ -17,7 +17,7 @@ from sqlalchemy import text
 from app.cli.embedded import free_port, redis_start
 from app.queue import UNACKED, UNACKED_INDEX, queue_name
 from app.services.health import absent_workers, mark_present
-from tests.api.test_store import queued, response
+from tests.helpers import queued, response
 from worker.leader import LeaseLock
 from worker.store import JobStore, Result
 from worker.sweeper import Sweeper

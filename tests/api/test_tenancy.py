@@ -12,8 +12,7 @@ import pytest
 from flask import Flask
 from flask.testing import FlaskClient
 
-from tests.api.test_batches_api import jsonl, line, upload
-from tests.conftest import auth
+from tests.helpers import auth, jsonl, line, upload
 
 PUBLIC = {"/healthz", "/readyz", "/openapi.json", "/metrics"}
 SECRET = f"tenant-a-secret-{secrets.token_hex(4)}"

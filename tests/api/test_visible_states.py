@@ -12,7 +12,7 @@ from flask.testing import FlaskClient
 
 from app.api import create_app
 from app.container import build_services
-from tests.conftest import Stores, auth, make_settings
+from tests.helpers import Stores, auth, make_settings
 
 
 @pytest.mark.parametrize("configured", [None, 1024])

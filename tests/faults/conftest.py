@@ -31,8 +31,7 @@ from app.cli.embedded import Server, free_port, pg_start, redis_start
 from app.cli.stack import run_migrations
 from app.container import Services, build_services
 from app.settings import Settings
-from tests.conftest import Stores, auth
-from tests.integration.conftest import WorkerProcess, stack_env
+from tests.helpers import Stores, WorkerProcess, auth, stack_env
 from tests.integration.conftest import tiny_model as tiny_model  # noqa: PLC0414 - a fixture, re-exported
 
 MODEL = "faulty"

@@ -16,10 +16,9 @@ import redis
 from sqlalchemy import text
 
 from app.services.health import live_workers
-from tests.conftest import auth
 from tests.faults.conftest import MODEL, FaultStack
 from tests.faults.crashing_worker import CRASH_MARKER
-from tests.integration.conftest import WorkerProcess, stack_env
+from tests.helpers import WorkerProcess, auth, gone_within, stack_env
 
 pytestmark = pytest.mark.faults
 
@@ -225,20 +224,6 @@ def test_r2_engine_process_dies_worker_restarts(fault_stack: FaultStack, tiny_mo
     fault_stack.inv(batch, 200)
 
 
-def _gone_within(pids: dict[int, str], timeout: float) -> dict[int, str]:
-    """Those of `pids` still alive (zombies count as gone) after up to `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        alive = {}
-        for pid, name in pids.items():
-            with contextlib.suppress(psutil.NoSuchProcess):
-                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                    alive[pid] = name
-        if not alive or time.monotonic() >= deadline:
-            return alive
-        time.sleep(0.1)
-
-
 def test_r13_kill_9_of_a_worker_takes_its_engine_processes_with_it(
     fault_stack: FaultStack, tiny_model: Path
 ) -> None:
@@ -251,7 +236,7 @@ def test_r13_kill_9_of_a_worker_takes_its_engine_processes_with_it(
     assert any("EngineCore" in name for name in engine.values()), engine
     os.kill(worker.proc.pid, signal.SIGKILL)  # the main process only, not its process group
     worker.proc.wait()
-    left = _gone_within(engine, 10)
+    left = gone_within(engine, 10)
     for pid in left:  # a failed run must not leave them behind either
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)

@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from app.cli.embedded import free_port, port_free
-from tests.faults.test_faults import _gone_within
+from tests.helpers import gone_within as _gone_within
 
 pytestmark = pytest.mark.integration
 

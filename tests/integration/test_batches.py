@@ -10,56 +10,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-import openai
 import pytest
-from openai.types import Batch as SdkBatch
 from openai.types.chat import ChatCompletion as SdkChatCompletion
 from sqlalchemy import text
 
 from app.api import create_app
 from app.container import build_services
-from tests.conftest import Stores, auth, make_settings
-from tests.integration.conftest import Stack, WorkerProcess, stack_env
+from tests.helpers import Stack, Stores, WorkerProcess, auth, lines, make_settings, sdk, stack_env, wait_batch
 
 pytestmark = pytest.mark.integration
-
-TERMINAL = {"completed", "failed", "expired", "cancelled"}
-
-
-def lines(model: str, n: int, *, max_tokens: int = 4, poison: set[int] = frozenset(), **body: Any) -> bytes:  # type: ignore[assignment]
-    out = []
-    for i in range(n):
-        content = "word " * 3000 if i in poison else f"Request number {i}."
-        out.append(
-            {
-                "custom_id": f"line-{i}",
-                "method": "POST",
-                "url": "/v1/chat/completions",
-                "body": {
-                    "model": model,
-                    "messages": [{"role": "user", "content": content}],
-                    "max_tokens": max_tokens,
-                    **body,
-                },
-            }
-        )
-    return "".join(json.dumps(x) + "\n" for x in out).encode()
-
-
-def sdk(stack: Stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{stack.url}/v1", api_key=stack.key, max_retries=0)
-
-
-def wait_batch(
-    client: openai.OpenAI, batch_id: str, timeout: float = 300, until: set[str] = TERMINAL
-) -> SdkBatch:
-    deadline = time.monotonic() + timeout
-    while True:
-        batch = client.batches.retrieve(batch_id)
-        if batch.status in until:
-            return batch
-        assert time.monotonic() < deadline, batch
-        time.sleep(0.5)
 
 
 def check_inv(services, batch_id: str, n: int, output: list[dict], errors: list[dict]) -> None:  # type: ignore[no-untyped-def]

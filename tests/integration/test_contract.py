@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import re
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -18,28 +17,12 @@ import pytest
 from tokenizers import Tokenizer
 
 from app.schemas.completion import BenchChatCompletion, ChatCompletionChunk
-from tests.integration.conftest import TINY_DIR, Stack, wait_for
-from tests.integration.sse import read_all
+from tests.helpers import TINY_DIR, Stack, body, pick_stop, read_all, run, run_many
 
 pytestmark = pytest.mark.integration
 
 EOS = 2  # <|im_end|> in the tiny tokenizer
 IM_START = 1
-
-
-def body(stack: Stack, **fields: Any) -> dict[str, Any]:
-    return {"model": stack.model, "messages": [{"role": "user", "content": "Tell me something."}], **fields}
-
-
-def run_many(stack: Stack, bodies: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    with stack.client() as c, ThreadPoolExecutor(8) as pool:
-        ids = list(pool.map(lambda b: c.post("/v2/jobs", json=b).json()["id"], bodies))
-        done = wait_for(c, ids, timeout=300)
-    return [done[i] for i in ids]
-
-
-def run(stack: Stack, **fields: Any) -> dict[str, Any]:
-    return run_many(stack, [body(stack, **fields)])[0]
 
 
 def text(job: dict[str, Any], index: int = 0) -> str:
@@ -198,16 +181,6 @@ def test_penalties_change_greedy_output(stack: Stack) -> None:
         assert text(run(stack, temperature=0, max_tokens=60, ignore_eos=True, **knob)) != base, knob
 
 
-def pick_stop(full: str) -> str:
-    """A 3-character piece of `full` that first occurs after its start: stopping on it cuts
-    the text exactly there."""
-    for start in range(5, len(full) - 3):
-        piece = full[start : start + 3]
-        if piece.strip() and full.find(piece) == start and "\ufffd" not in piece:
-            return piece
-    raise AssertionError(f"no stop string in {full!r}")
-
-
 def test_stop_string_kept_with_include_stop_str_in_output(stack: Stack) -> None:
     seeded = {"temperature": 1.0, "seed": 11, "max_tokens": 40}
     full = text(run(stack, ignore_eos=True, **seeded))
@@ -341,7 +314,7 @@ def test_named_tool_choice_on_any_model(stack: Stack) -> None:
             json=body(stack, tools=TOOLS, tool_choice=named, max_tokens=80, temperature=0, stream=True),
         ) as r,
     ):
-        from tests.integration.sse import events
+        from tests.helpers import events
 
         evts = [e for e in events(r) if not e.done]
     deltas = [d for e in evts for ch in e.json["choices"] for d in (ch["delta"].get("tool_calls") or [])]

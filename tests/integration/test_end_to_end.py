@@ -10,9 +10,7 @@ from sqlalchemy import text
 from app.schemas.chat import ChatCompletionV2Request
 from app.schemas.completion import ChatCompletion, GenerationStats
 from app.schemas.jobs import JobObject
-from tests.integration.conftest import Stack, submit_unchecked, wait_for
-from tests.integration.sse import events
-from tests.integration.test_contract import pick_stop
+from tests.helpers import Stack, events, pick_stop, submit_unchecked, wait_for
 
 pytestmark = pytest.mark.integration
 

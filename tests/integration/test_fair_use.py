@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from tests.integration.conftest import Stack, wait_for
+from tests.helpers import Stack, wait_for
 
 pytestmark = pytest.mark.integration
 

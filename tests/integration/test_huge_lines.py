@@ -18,8 +18,7 @@ import psutil
 import pytest
 from sqlalchemy import text
 
-from tests.integration.conftest import Stack
-from tests.integration.test_batches import lines, sdk, wait_batch
+from tests.helpers import Stack, lines, sdk, wait_batch
 
 pytestmark = pytest.mark.integration
 

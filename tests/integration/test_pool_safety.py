@@ -16,8 +16,7 @@ import pytest
 from sqlalchemy import text
 
 from app.container import Services
-from tests.conftest import Stores
-from tests.integration.conftest import ApiProcess, stack_env
+from tests.helpers import ApiProcess, Stores, stack_env
 
 pytestmark = pytest.mark.api_process
 

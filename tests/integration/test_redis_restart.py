@@ -12,9 +12,7 @@ import httpx
 import pytest
 
 from app.cli.embedded import free_port, redis_start
-from tests.conftest import Stores
-from tests.integration.conftest import ApiProcess, WorkerProcess, stack_env, wait_for
-from tests.integration.sse import Event, events, text_of
+from tests.helpers import ApiProcess, Event, Stores, WorkerProcess, events, stack_env, text_of, wait_for
 
 pytestmark = pytest.mark.integration
 

@@ -11,8 +11,7 @@ import pytest
 import redis
 
 from app.schemas.completion import ChatCompletionChunk, RecordedStream
-from tests.integration.conftest import Stack, submit_unchecked, wait_for
-from tests.integration.sse import events, read_all, text_of
+from tests.helpers import Stack, events, read_all, submit_unchecked, text_of, wait_for
 
 pytestmark = pytest.mark.integration
 

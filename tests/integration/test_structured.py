@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from tests.bombs import chained_grammar, ref_chain_schema
-from tests.integration.conftest import Stack, submit_unchecked, wait_for
+from tests.helpers import Stack, submit_unchecked, wait_for
 
 pytestmark = pytest.mark.integration
 

@@ -17,8 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import Stores
-from tests.integration.conftest import ApiProcess, stack_env
+from tests.helpers import ApiProcess, Stores, stack_env
 
 pytestmark = pytest.mark.integration
 

@@ -16,8 +16,7 @@ from app.errors import InvalidRequest
 from app.schemas.chat import ChatCompletionV2Request
 from app.services.prompts import ChatRenderer
 from app.services.template_sandbox import TemplateSandbox
-from tests.integration.conftest import Stack
-from tests.integration.test_contract import run
+from tests.helpers import Stack, run
 
 pytestmark = pytest.mark.integration
 

@@ -13,8 +13,7 @@ from sqlalchemy import text
 
 from app.api import create_app
 from app.container import build_services
-from tests.conftest import Stores, auth, make_settings
-from tests.integration.conftest import WorkerProcess, stack_env
+from tests.helpers import Stores, WorkerProcess, auth, make_settings, stack_env
 
 pytestmark = pytest.mark.integration
 
