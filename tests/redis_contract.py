@@ -35,7 +35,7 @@ class RecordingCelery:
 
 def _unacked_message(task: str, args: list[Any]) -> bytes:
     """A delivery as kombu's Redis transport stores it in `unacked` (see
-    tests/api/test_kombu_layout.py for the check against real kombu)."""
+    tests/api/test_kombu_contract.py for the check against real kombu)."""
     body = json.dumps([args, {}, {}])
     return json.dumps(
         [{"body": body, "headers": {"task": task}, "properties": {"body_encoding": "utf-8"}}, "", "q"]
