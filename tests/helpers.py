@@ -52,6 +52,23 @@ class Stores:
     redis_url: str
 
 
+def fresh_database(stores: Stores) -> str:
+    """A new, migrated database beside the session's, for a test whose workers must not meet
+    the session's (their sweepers would judge each other's jobs by a Redis they do not share)."""
+    import secrets
+
+    import psycopg
+
+    from app.cli.stack import run_migrations
+
+    base, _, _ = stores.database_url.rpartition("/")
+    name = f"llmq_test_{secrets.token_hex(4)}"
+    with psycopg.connect(f"{base}/postgres", autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    run_migrations(f"{base}/{name}")
+    return f"{base}/{name}"
+
+
 def make_settings(stores: Stores, **overrides: Any) -> Settings:
     base: dict[str, Any] = {
         "database_url": stores.database_url,

@@ -137,7 +137,9 @@ def test_r6_redis_down_at_submit_is_durable_and_runs_once(fault_stack: FaultStac
 
 def test_r7_postgres_restart_while_results_are_written(fault_stack: FaultStack) -> None:
     worker = fault_stack.worker("r7")
-    batch = fault_stack.batch(200, max_tokens=50)
+    # Lines of 3 s each (300 tokens at 10 ms): results are still being written when
+    # Postgres goes, however slowly the outage begins on a loaded machine.
+    batch = fault_stack.batch(200, max_tokens=300)
     fault_stack.wait_rows(batch, "status = 'succeeded'", 40)
     fault_stack.stop_pg()
     # Down until the worker has met the outage (a result write retried), not a fixed time.

@@ -12,22 +12,38 @@ import httpx
 import pytest
 
 from app.cli.embedded import free_port, redis_start
-from tests.helpers import ApiProcess, Event, Stores, WorkerProcess, events, stack_env, text_of, wait_for
+from app.db import Database
+from app.services.keys import KeyService
+from tests.helpers import (
+    ApiProcess,
+    Event,
+    Stores,
+    WorkerProcess,
+    events,
+    fresh_database,
+    stack_env,
+    text_of,
+    wait_for,
+)
 
 pytestmark = pytest.mark.integration
 
 MODEL = "tiny-redis-restart"
 
 
-def test_redis_restart_mid_stream(stores: Stores, tiny_model: Path, logs_dir: Path, services) -> None:
+def test_redis_restart_mid_stream(stores: Stores, tiny_model: Path, logs_dir: Path) -> None:
     data = Path(tempfile.mkdtemp(prefix="llmq-s4-"))
     port = free_port(56500)
     redis_server = redis_start(data, port, persistent=False)
-    own = Stores(stores.database_url, f"redis://127.0.0.1:{port}/0")
+    # Its own database too: the session's worker, on the session's Redis, would count this
+    # worker (present only in this Redis) as gone and take its job.
+    own = Stores(fresh_database(stores), f"redis://127.0.0.1:{port}/0")
     env = stack_env(own, tiny_model, MODEL, LLMQ_SSE_HEARTBEAT_SECONDS="1")
     worker = WorkerProcess(env, logs_dir / "s4-worker.log").start()
     api = ApiProcess(env, logs_dir / "s4-api.log")
-    key = services.keys.create_key("tenant-s4")
+    own_db = Database.from_url(own.database_url, pool_size=1)
+    key = KeyService(own_db).create_key("tenant-s4")
+    own_db.dispose()
     client = httpx.Client(base_url=api.url, headers={"Authorization": f"Bearer {key}"}, timeout=120)
     try:
         body = {
