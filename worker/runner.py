@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError, SQLAlchemyError
 
-from app.errors import InvalidRequest, LlmqError
+from app.errors import InvalidRequest, LlmqError, error_body
 from app.models import JobStatus
 from app.services.contract import ConstraintChecker
 from app.services.tools import call_id
@@ -116,10 +116,6 @@ class Run:
     result: Result | None = None
     handed_back: bool = False
     constraint_key: str | None = None  # set when the job has a structured-output constraint
-
-
-def _error(message: str, kind: str, code: str | None = None, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 class JobRunner:
@@ -345,7 +341,7 @@ class JobRunner:
         elif isinstance(error, TimeoutError):
             limit = self._config.job_timeout_seconds
             run.result = self._failed(
-                run, _error(f"the job ran past its deadline of {limit:.0f} s", "timeout", "timeout")
+                run, error_body(f"the job ran past its deadline of {limit:.0f} s", "timeout", code="timeout")
             )
         elif isinstance(error, PromptTooLong):
             body = InvalidRequest(str(error), param="messages", code="context_length_exceeded").body()
@@ -354,7 +350,7 @@ class JobRunner:
             run.result = self._failed(run, InvalidRequest(str(error), param=error.param).body())
         elif error is not None:
             log.error("engine error", extra={**run.ctx, "error": f"{type(error).__name__}: {error}"})
-            run.result = self._failed(run, _error(f"engine error: {error}", "engine_error"))
+            run.result = self._failed(run, error_body(f"engine error: {error}", "engine_error"))
         else:
             run.result = self._succeeded(run)
 
@@ -481,7 +477,9 @@ class JobRunner:
                 result.job_id,
                 result.epoch,
                 JobStatus.FAILED.value,
-                error=_error("the result could not be stored", "internal_error", "result_not_stored"),
+                error=error_body(
+                    "the result could not be stored", "internal_error", code="result_not_stored"
+                ),
                 end=result.end and {**result.end, "status": JobStatus.FAILED.value},
             )
             return self._persist(lambda: self._store.finish_many([run.result]), run.ctx)  # type: ignore[list-item]

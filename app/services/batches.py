@@ -15,7 +15,7 @@ from sqlalchemy import select, text, update
 from sqlalchemy.exc import SQLAlchemyError
 
 from app.db import Database
-from app.errors import Conflict, InvalidRequest, NotFound
+from app.errors import Conflict, InvalidRequest, NotFound, error_body, error_object, line_error
 from app.events import JobEvents, end_event
 from app.ids import new_id
 from app.models import Batch, BatchStatus, File, FilePurpose, Job, JobStatus, Tenant
@@ -402,7 +402,7 @@ def materialize(db: Database, batch_id: str) -> bool:
 
 def fail_validating(db: Database, batch_id: str) -> None:
     """End a batch whose lines could not be turned into jobs (the caller got an error)."""
-    error = {"code": "batch_not_created", "message": "the batch's requests could not be created"}
+    error = line_error("batch_not_created", "the batch's requests could not be created")
     with db.session() as s:
         s.execute(
             update(Batch)
@@ -418,7 +418,7 @@ def fail_validating(db: Database, batch_id: str) -> None:
 def tell_ended(events: JobEvents, ended: list[tuple[str, int, str]], status: JobStatus) -> None:
     """Abort the lines that were running in the engine, and end every line's event log."""
     code, message = LINE_ERRORS[status.value]
-    error = {"message": message, "type": "invalid_request_error", "param": None, "code": code}
+    error = error_object(message, "invalid_request_error", code=code)
     events.request_cancels([job_id for job_id, _, before in ended if before == JobStatus.RUNNING.value])
     events.append_ends([(job_id, end_event(epoch, status.value, error)) for job_id, epoch, _ in ended])
 
@@ -428,7 +428,7 @@ def end_lines(db: Database, batch_id: str, status: JobStatus) -> list[tuple[str,
     lines get a new epoch, so the worker's late write is refused. Returns (id, epoch, status
     before) of each line ended."""
     code, message = LINE_ERRORS[status.value]
-    error = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
+    error = error_body(message, "invalid_request_error", code=code)
     stamp = "cancelled_at" if status == JobStatus.CANCELLED else "expired_at"
     with db.session() as s:
         rows = s.execute(
@@ -560,11 +560,9 @@ def output_line(job_id: str, custom_id: str, status: str, response: Any, error: 
             "id": line_id,
             "custom_id": custom_id,
             "response": None,
-            "error": {"code": code, "message": message},
+            "error": line_error(code, message),
         }
-    body = error or {
-        "error": {"message": "the request failed", "type": "api_error", "param": None, "code": None}
-    }
+    body = error or error_body("the request failed", "api_error")
     kind = body.get("error", {}).get("type")
     return {
         "id": line_id,

@@ -24,7 +24,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
 
 from app.db import Database
-from app.errors import NotFound, Unauthorized
+from app.errors import NotFound, Unauthorized, error_object
 from app.events import (
     END_EVENT,
     EventId,
@@ -440,24 +440,18 @@ def _sse(data: dict[str, Any], event_id: str) -> str:
 
 
 def _revoked() -> Iterator[str]:
-    error = {
-        "message": "the API key was revoked",
-        "type": "authentication_error",
-        "param": None,
-        "code": "invalid_api_key",
-    }
+    error = error_object("the API key was revoked", "authentication_error", code="invalid_api_key")
     yield f"data: {json.dumps({'error': error})}\n\n"
     yield DONE
 
 
 def _restarted(eid: EventId) -> Iterator[str]:
-    error = {
-        "message": "the job was restarted after a worker failure; reconnect without Last-Event-ID "
+    error = error_object(
+        "the job was restarted after a worker failure; reconnect without Last-Event-ID "
         "to receive the new attempt from its start",
-        "type": "stream_restarted",
-        "param": None,
-        "code": "stream_restarted",
-    }
+        "stream_restarted",
+        code="stream_restarted",
+    )
     yield f"id: {eid}\ndata: {json.dumps({'error': error})}\n\n"
     yield DONE
 
@@ -465,7 +459,7 @@ def _restarted(eid: EventId) -> Iterator[str]:
 def _error_for_status(status: str) -> dict[str, Any] | None:
     if status in _TERMINAL_ERRORS:
         message, kind, code = _TERMINAL_ERRORS[status]
-        return {"message": message, "type": kind, "param": None, "code": code}
+        return error_object(message, kind, code=code)
     return None
 
 
