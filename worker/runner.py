@@ -11,17 +11,19 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError, SQLAlchemyError
 
+from app.completions import UsageDict, chunk_header
+from app.completions import usage as completion_usage
 from app.errors import InvalidRequest, LlmqError, error_body
 from app.models import JobStatus
 from app.services.contract import ConstraintChecker
 from app.services.tools import call_id
 from worker.engine import Engine, EngineDead, EngineUpdate, PromptTooLong, RequestRejected
 from worker.loop import LoopThread
-from worker.response import ChoiceState, build_completion, build_usage, completion_id, finalize
+from worker.response import ChoiceState, build_completion, finalize
 from worker.slots import JobSlots
 from worker.stats import ResourceSampler, generation_stats, power_usage
 from worker.store import Claim, JobStore, Result
@@ -250,12 +252,9 @@ class JobRunner:
         job_id = claim.job_id
         ctx = {"job_id": job_id, "epoch": claim.epoch, "attempt": claim.attempts, "batch_id": claim.batch_id}
         log.log(logging.DEBUG if quiet else logging.INFO, "job claimed", extra=ctx)
-        header = {
-            "id": completion_id(job_id),
-            "created": int(claim.created_at.timestamp()),
-            "model": claim.model,
-            "system_fingerprint": self._config.system_fingerprint,
-        }
+        header = chunk_header(
+            job_id, int(claim.created_at.timestamp()), claim.model, self._config.system_fingerprint
+        )
         run = Run(claim, self._streams.open(job_id, claim.epoch, header), ctx)
         limit = self._config.max_request_bytes
         if claim.request_bytes > limit:
@@ -372,7 +371,11 @@ class JobRunner:
             last_token=outcome.last_token,
             peak_memory_bytes=max(s.memory_bytes for s in samples),
         )
-        usage = build_usage(outcome.prompt_tokens, outcome.completion_tokens, outcome.cached_tokens)
+        # Rows and events hold plain JSON objects; the TypedDicts only shape the building.
+        usage = cast(
+            dict[str, Any],
+            completion_usage(outcome.prompt_tokens, outcome.completion_tokens, outcome.cached_tokens),
+        )
         finals = [
             finalize(
                 c,
@@ -389,7 +392,7 @@ class JobRunner:
         response = build_completion(
             claim,
             finals,
-            usage,
+            cast(UsageDict, usage),
             system_fingerprint=self._config.system_fingerprint,
             service_tier=tr.request.service_tier,
         )
@@ -400,7 +403,7 @@ class JobRunner:
             claim.job_id,
             claim.epoch,
             status.value,
-            response=response,
+            response=cast(dict[str, Any], response),
             usage=usage,
             generation_stats=stats,
             power_usage=None if cancelled else power_usage(samples, ended - outcome.submitted),

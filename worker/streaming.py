@@ -24,6 +24,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from app.completions import ChunkChoiceDict, ChunkHeader, chunk
 from app.events import END_EVENT, job_channel, job_stream, notification
 from worker.engine import ChoiceDelta, EngineUpdate
 from worker.response import aborted_as, logprob_entry
@@ -67,7 +68,7 @@ class JobStream:
         publisher: StreamPublisher,
         job_id: str,
         epoch: int,
-        header: dict[str, Any],
+        header: ChunkHeader,
         *,
         n: int,
         shape: StreamShape | None = None,
@@ -147,7 +148,7 @@ class JobStream:
 
     def flush(self) -> None:
         """Turn buffered deltas into one chunk event (if there is anything to say)."""
-        choices = []
+        choices: list[ChunkChoiceDict] = []
         for index, pending in enumerate(self._pending):
             if not pending.text and pending.finish_reason is None:
                 continue
@@ -170,7 +171,7 @@ class JobStream:
         """Buffered mode: send each choice whole, tool calls in OpenAI's streaming form."""
         if self.shape.mode != "buffered":
             return
-        choices = []
+        choices: list[ChunkChoiceDict] = []
         for final in finals:
             message = final.message
             delta: dict[str, Any] = {"role": "assistant"}
@@ -191,17 +192,8 @@ class JobStream:
         if choices:
             self._emit_chunk(choices)
 
-    def _emit_chunk(self, choices: list[dict[str, Any]]) -> None:
-        chunk = {
-            "id": self._header["id"],
-            "object": "chat.completion.chunk",
-            "created": self._header["created"],
-            "model": self._header["model"],
-            "system_fingerprint": self._header.get("system_fingerprint"),
-            "choices": choices,
-            "usage": None,
-        }
-        self._emit({"type": "chunk", "data": chunk})
+    def _emit_chunk(self, choices: list[ChunkChoiceDict]) -> None:
+        self._emit({"type": "chunk", "data": chunk(self._header, choices)})
 
     def end_event(
         self, status: str, *, usage: dict[str, Any] | None, error: dict[str, Any] | None
@@ -262,7 +254,7 @@ class StreamPublisher:
         self._append = redis.register_script(_APPEND)
         self.published = 0
 
-    def open(self, job_id: str, epoch: int, header: dict[str, Any], *, n: int = 1) -> JobStream:
+    def open(self, job_id: str, epoch: int, header: ChunkHeader, *, n: int = 1) -> JobStream:
         """A new attempt starts a clean log: an older attempt's events are dropped."""
         with self._lock:
             self._history[job_id] = []

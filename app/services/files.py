@@ -30,7 +30,7 @@ from app.schemas.batches import (
     FileList,
     FileObject,
 )
-from app.services.batches import DOWNLOAD_PAGE_ROWS, output_lines
+from app.services.batch_output import DOWNLOAD_PAGE_ROWS, output_lines
 from app.services.contract import RequestPolicy
 from app.services.keys import Principal
 from app.services.parsing import check_depth, decode_json, describe, error_param

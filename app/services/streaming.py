@@ -13,7 +13,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +23,7 @@ from redis.exceptions import RedisError
 from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
 
+from app.completions import usage_chunk
 from app.db import Database
 from app.errors import NotFound, Unauthorized, error_object
 from app.events import (
@@ -376,15 +377,7 @@ class StreamService:
     def _final(self, view: JobView, event: dict[str, Any], include_usage: bool) -> Iterator[str]:
         eid = str(event["id"])
         if include_usage and event.get("usage"):
-            chunk = {
-                "id": "chatcmpl-" + view.id.removeprefix("job_"),
-                "object": "chat.completion.chunk",
-                "created": view.created,
-                "model": view.model,
-                "choices": [],
-                "usage": event["usage"],
-            }
-            yield _sse(chunk, eid)
+            yield _sse(usage_chunk(view.id, view.created, view.model, event["usage"]), eid)
         error = event.get("error") or _error_for_status(event.get("status", ""))
         if error:
             yield _sse({"error": error}, eid)
@@ -435,7 +428,7 @@ def _eid(event: dict[str, Any]) -> EventId:
     return parsed
 
 
-def _sse(data: dict[str, Any], event_id: str) -> str:
+def _sse(data: Mapping[str, Any], event_id: str) -> str:
     return f"id: {event_id}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
 
 
