@@ -21,13 +21,14 @@ from app.errors import InvalidRequest, LlmqError, error_body
 from app.models import JobStatus
 from app.services.contract import ConstraintChecker
 from app.services.tools import call_id
+from worker.deltas import JobStream, StreamShape
 from worker.engine import Engine, EngineDead, EngineUpdate, PromptTooLong, RequestRejected
 from worker.loop import LoopThread
 from worker.response import ChoiceState, build_completion, finalize
 from worker.slots import JobSlots
 from worker.stats import ResourceSampler, generation_stats, power_usage
 from worker.store import Claim, JobStore, Result
-from worker.streaming import JobStream, StreamPublisher, StreamShape
+from worker.streaming import StreamPublisher
 from worker.translate import Renderer, Translation, translate
 
 log = logging.getLogger("llmq.runner")

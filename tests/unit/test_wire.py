@@ -29,9 +29,9 @@ from app.schemas.completion import ChatCompletion, ChatCompletionChunk, Choice, 
 from app.schemas.jobs import ErrorResponse
 from app.services.batch_output import output_line
 from tests.unit.fakes import FakeStreams
+from worker.deltas import StreamShape
 from worker.engine import ChoiceDelta, EngineUpdate, TokenLogprob
 from worker.response import FinalChoice
-from worker.streaming import StreamShape
 
 ROOT = Path(__file__).resolve().parents[2]
 
