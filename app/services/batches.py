@@ -14,7 +14,7 @@ from sqlalchemy import select, text, update
 from sqlalchemy.exc import SQLAlchemyError
 
 from app.db import Database
-from app.errors import Conflict, InvalidRequest, NotFound
+from app.errors import Conflict, InvalidRequest
 from app.events import JobEvents
 from app.ids import new_id
 from app.models import Batch, BatchStatus, File, FilePurpose, Job, JobStatus
@@ -39,8 +39,10 @@ from app.services.batch_transitions import (
     materialize,
     tell_ended,
 )
-from app.services.idempotency import IdempotencyKey, IdempotencyLocks
+from app.services.idempotency import IdempotencyKey, IdempotencyLocks, find_replay
 from app.services.keys import Principal
+from app.services.ownership import load_owned
+from app.services.pagination import check_limit, newest_first, page_fields
 from app.services.parsing import parse_model
 from app.services.quotas import check_batch_lines
 
@@ -116,19 +118,7 @@ class BatchService:
             return self._create(principal, payload, parent, None)
         with self._locks.hold(principal.tenant_id, idem):
             with self._db.session() as s:
-                found = s.scalar(
-                    select(Batch).where(
-                        Batch.tenant_id == principal.tenant_id, Batch.idempotency_key == idem.key
-                    )
-                )
-                if (
-                    found is not None
-                    and (datetime.now(UTC) - found.created_at).total_seconds() > self._idempotency_ttl
-                ):
-                    found.idempotency_key = None
-                    found = None
-                if found is not None:
-                    idem.check_same(found.request_hash)
+                found = find_replay(s, Batch, principal.tenant_id, idem, self._idempotency_ttl)
             if found is not None:
                 return self.get(principal, found.id)
             return self._create(principal, payload, parent, idem)
@@ -144,11 +134,7 @@ class BatchService:
         self._check_metadata(req.metadata)
         seconds = window_seconds(req.completion_window)
         with self._db.session() as s:
-            f = s.scalar(
-                select(File).where(File.id == req.input_file_id, File.tenant_id == principal.tenant_id)
-            )
-            if f is None:
-                raise NotFound(f"No such File object: {req.input_file_id}", param="input_file_id")
+            f = load_owned(s, File, req.input_file_id, principal.tenant_id, param="input_file_id")
             if f.purpose != FilePurpose.BATCH.value:
                 raise InvalidRequest(
                     f"file {f.id} has purpose {f.purpose!r}, not 'batch'", param="input_file_id"
@@ -217,43 +203,27 @@ class BatchService:
 
     # --- read ---------------------------------------------------------------------------
 
-    def _load(self, s: Any, principal: Principal, batch_id: str) -> Batch:
-        batch: Batch | None = s.scalar(
-            select(Batch).where(Batch.id == batch_id, Batch.tenant_id == principal.tenant_id)
-        )
-        if batch is None:
-            raise NotFound(f"No such Batch object: {batch_id}", param="batch_id")
-        return batch
-
     def get(self, principal: Principal, batch_id: str) -> BatchObject:
         with self._db.session() as s:
-            batch = self._load(s, principal, batch_id)
+            batch = load_owned(s, Batch, batch_id, principal.tenant_id)
             counts = s.execute(BATCH_COUNTS, {"batch": batch.id}).all()
             model = s.scalar(select(Job.model).where(Job.batch_id == batch.id).limit(1))
         return to_batch_object(batch, counts, model)
 
     def list(self, principal: Principal, *, after: str | None, limit: int) -> BatchList:
-        if not 1 <= limit <= 100:
-            raise InvalidRequest("`limit` must be between 1 and 100", param="limit")
+        check_limit(limit, 100)
         q = select(Batch).where(Batch.tenant_id == principal.tenant_id)
-        if after:
-            q = q.where(Batch.id < after)
         with self._db.session() as s:
-            batches = list(s.scalars(q.order_by(Batch.id.desc()).limit(limit + 1)))
-            page = [b.id for b in batches[:limit]]
+            batches, more = newest_first(s, q, Batch.id, after=after, limit=limit)
+            page = [b.id for b in batches]
             counts: dict[str, list[Any]] = {i: [] for i in page}
             models: dict[str, str] = {}
             if page:
                 for row in s.execute(BATCH_COUNTS_MANY, {"batches": page}):
                     counts[row.batch_id].append(row)
                 models = {row.batch_id: row.model for row in s.execute(BATCH_MODELS, {"batches": page})}
-        data = [to_batch_object(b, counts[b.id], models.get(b.id)) for b in batches[:limit]]
-        return BatchList(
-            data=data,
-            first_id=data[0].id if data else None,
-            last_id=data[-1].id if data else None,
-            has_more=len(batches) > limit,
-        )
+        data = [to_batch_object(b, counts[b.id], models.get(b.id)) for b in batches]
+        return BatchList(data=data, **page_fields(data, more))
 
     # --- cancel and retry ---------------------------------------------------------------
 
@@ -268,7 +238,7 @@ class BatchService:
         """
         now = datetime.now(UTC)
         with self._db.session() as s:
-            batch = self._load(s, principal, batch_id)
+            batch = load_owned(s, Batch, batch_id, principal.tenant_id)
             already = batch.status in (BatchStatus.CANCELLING.value, BatchStatus.CANCELLED.value)
             if not already and batch.status not in ACTIVE:
                 raise Conflict(
@@ -295,7 +265,7 @@ class BatchService:
             Conflict: the batch is still running, or nothing in it failed.
         """
         with self._db.session() as s:
-            batch = self._load(s, principal, batch_id)
+            batch = load_owned(s, Batch, batch_id, principal.tenant_id)
             if batch.status in ACTIVE or batch.status == BatchStatus.FINALIZING.value:
                 raise Conflict(
                     f"batch {batch_id} is still {batch.status}", param="batch_id", code="batch_running"

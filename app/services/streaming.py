@@ -20,12 +20,11 @@ from typing import Any
 
 from redis import Redis
 from redis.exceptions import RedisError
-from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
 
 from app.completions import usage_chunk
 from app.db import Database
-from app.errors import NotFound, Unauthorized, error_object
+from app.errors import Unauthorized, error_object
 from app.events import (
     END_EVENT,
     EventId,
@@ -38,6 +37,7 @@ from app.schemas.completion import RecordedStream
 from app.services.feeds import FeedRead
 from app.services.keys import KeyService, Principal
 from app.services.notifier import Notifier
+from app.services.ownership import load_owned
 from app.services.sse import DONE, HEARTBEAT, frame, restarted, revoked
 
 log = logging.getLogger("llmq.stream")
@@ -117,9 +117,7 @@ class StreamService:
 
     def _view(self, principal: Principal, job_id: str) -> JobView:
         with self._db.session() as s:
-            job = s.scalar(select(Job).where(Job.id == job_id, Job.tenant_id == principal.tenant_id))
-            if job is None:
-                raise NotFound(f"No job found with id '{job_id}'", param="job_id")
+            job = load_owned(s, Job, job_id, principal.tenant_id)
             options = (job.request or {}).get("stream_options") or {}
             return JobView(
                 id=job.id,
