@@ -140,3 +140,14 @@ def test_no_error_body_is_built_outside_the_one_helper() -> None:
         for keys in ({"message", "type"}, {"message", "code"}, {"param", "code"}):
             built += [f"{path.relative_to(ROOT)}:{line}" for line in _dicts_with(tree, keys)]
     assert built == []
+
+
+def test_the_openapi_document_names_the_streamed_shapes() -> None:
+    from app.api.openapi import spec
+
+    doc = spec()
+    stream = doc["paths"]["/v2/jobs/{job_id}/stream"]["get"]["responses"]["200"]["content"]
+    lines = doc["paths"]["/v1/files/{file_id}/content"]["get"]["responses"]["200"]["content"]
+    assert "ChatCompletionChunk" in str(stream["text/event-stream"])
+    assert "BatchOutputLine" in str(lines["application/jsonl"])
+    assert "function_call" in doc["components"]["schemas"]["DeltaMessage"]["properties"]
