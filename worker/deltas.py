@@ -5,6 +5,7 @@ worker/streaming.py) without ever blocking on Redis."""
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -187,7 +188,7 @@ class JobStream:
         self._emit({"type": "chunk", "data": chunk(self._header, choices)})
 
     def end_event(
-        self, status: str, *, usage: dict[str, Any] | None, error: dict[str, Any] | None
+        self, status: str, *, usage: Mapping[str, Any] | None, error: dict[str, Any] | None
     ) -> dict[str, Any]:
         """The terminal event, with its id; recorded (to persist with the result), but
         shipped only by `publish_end`, after the result is safely in Postgres."""

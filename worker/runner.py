@@ -15,7 +15,7 @@ from typing import Any, TypeVar, cast
 
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError, SQLAlchemyError
 
-from app.completions import UsageDict, chunk_header
+from app.completions import chunk_header
 from app.completions import usage as completion_usage
 from app.errors import InvalidRequest, LlmqError, error_body
 from app.models import JobStatus
@@ -372,11 +372,7 @@ class JobRunner:
             last_token=outcome.last_token,
             peak_memory_bytes=max(s.memory_bytes for s in samples),
         )
-        # Rows and events hold plain JSON objects; the TypedDicts only shape the building.
-        usage = cast(
-            dict[str, Any],
-            completion_usage(outcome.prompt_tokens, outcome.completion_tokens, outcome.cached_tokens),
-        )
+        usage = completion_usage(outcome.prompt_tokens, outcome.completion_tokens, outcome.cached_tokens)
         finals = [
             finalize(
                 c,
@@ -393,7 +389,7 @@ class JobRunner:
         response = build_completion(
             claim,
             finals,
-            cast(UsageDict, usage),
+            usage,
             system_fingerprint=self._config.system_fingerprint,
             service_tier=tr.request.service_tier,
         )
@@ -404,8 +400,9 @@ class JobRunner:
             claim.job_id,
             claim.epoch,
             status.value,
+            # The row holds plain JSON objects; the TypedDicts only shaped the building.
             response=cast(dict[str, Any], response),
-            usage=usage,
+            usage=cast(dict[str, Any], usage),
             generation_stats=stats,
             power_usage=None if cancelled else power_usage(samples, ended - outcome.submitted),
             events=run.stream.events,
