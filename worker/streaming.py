@@ -3,8 +3,8 @@ shaping deltas into chunks is worker/deltas.py).
 
 Each job's events go to the Redis Stream `llmq:events:<job_id>` with explicit ids
 `<epoch>-<seq>` (so ids grow across attempts and double as SSE ids), and each append is
-announced on the pub/sub channel `llmq:job:<job_id>`. Deltas are coalesced: one event per
-`flush_tokens` tokens or `flush_seconds`, so Redis work grows with streams, not tokens.
+announced on the pub/sub channel `llmq:job:<job_id>`. Deltas reach it coalesced (one event
+per `flush_tokens` tokens or `flush_seconds`), so Redis work grows with streams, not tokens.
 
 The worker keeps every event of a running job; if Redis restarts (and loses the stream),
 the publisher writes the whole history again once it reconnects.
