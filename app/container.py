@@ -24,9 +24,10 @@ from app.services.jobs import JobService
 from app.services.keys import KeyService
 from app.services.limits import RateLimiter
 from app.services.metrics import MetricsService
+from app.services.notifier import Notifier
 from app.services.sandbox import ConstraintSandbox
 from app.services.slots import StreamSlots
-from app.services.streaming import Notifier, StreamService
+from app.services.streaming import StreamService
 from app.settings import Settings
 
 if TYPE_CHECKING:

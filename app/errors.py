@@ -1,12 +1,33 @@
 """Domain errors: one hierarchy, each with its HTTP status and OpenAI-style `type`.
 
 Services raise these; the API renders every one of them the same way:
-``{"error": {"message", "type", "param", "code"}}``.
+``{"error": {"message", "type", "param", "code"}}``. That shape, and the batch line's
+``{"code", "message"}``, are built here and nowhere else.
 """
 
 from __future__ import annotations
 
 from typing import Any, ClassVar
+
+
+def error_object(
+    message: str, type: str, *, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    """The inside of an error body (`ErrorBody`): what SSE error events and job rows carry."""
+    return {"message": message, "type": type, "param": param, "code": code}
+
+
+def error_body(
+    message: str, type: str, *, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    """The one error body (`ErrorResponse`): ``{"error": {message, type, param, code}}``."""
+    return {"error": error_object(message, type, param=param, code=code)}
+
+
+def line_error(code: str, message: str) -> dict[str, str]:
+    """OpenAI's other error shape: a batch output line's `error` and a batch's `errors`
+    entry (`BatchError`) carry only a code and a message."""
+    return {"code": code, "message": message}
 
 
 class LlmqError(Exception):
@@ -21,14 +42,7 @@ class LlmqError(Exception):
         self.code = code or self.default_code
 
     def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
+        return error_body(self.message, self.type, param=self.param, code=self.code)
 
 
 class InvalidRequest(LlmqError):

@@ -4,9 +4,9 @@ their deadline and finalizes finished ones. Every worker runs it; one acts at a 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 
+from app.periodic import Periodic
 from app.services.batch_lifecycle import BatchLifecycle
 from worker.leader import LeaseLock
 
@@ -19,9 +19,7 @@ class BatchScheduler:
     def __init__(self, lock: LeaseLock, lifecycle: BatchLifecycle, *, tick_seconds: float) -> None:
         self._lock = lock
         self._lifecycle = lifecycle
-        self._tick = tick_seconds
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="llmq-batches", daemon=True)
+        self._periodic = Periodic("llmq-batches", tick_seconds, self.tick, log=log)
         self._last_finalize = 0.0
 
     def tick(self) -> None:
@@ -38,15 +36,8 @@ class BatchScheduler:
                 self._lifecycle.expire_due()
                 self._lifecycle.finalize_done()
 
-    def _loop(self) -> None:
-        while not self._stop.wait(self._tick):
-            try:
-                self.tick()
-            except Exception as exc:  # noqa: BLE001 - Postgres or Redis away: next tick
-                log.warning("batch scheduler tick failed", extra={"error": f"{type(exc).__name__}: {exc}"})
-
     def start(self) -> None:
-        self._thread.start()
+        self._periodic.start()
 
     def stop(self) -> None:
-        self._stop.set()
+        self._periodic.stop()

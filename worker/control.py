@@ -13,6 +13,7 @@ from typing import Any
 from redis import Redis
 
 from app.events import CANCEL_CHANNEL
+from app.periodic import Periodic
 from app.services.health import mark_absent, mark_present, register_worker, unregister_worker
 from worker.runner import JobRunner
 from worker.store import JobStore
@@ -21,29 +22,19 @@ log = logging.getLogger("llmq.control")
 
 
 class _Periodic:
-    """A daemon thread calling `tick` every `interval` seconds until stopped."""
+    """`tick` every `interval` seconds, the first round at once, until stopped."""
 
     def __init__(self, name: str, interval: float) -> None:
-        self._interval = interval
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._periodic = Periodic(name, interval, self.tick, log=log, at_start=True)
 
     def tick(self) -> None:
         raise NotImplementedError
 
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.tick()
-            except Exception as exc:  # noqa: BLE001 - a failed round is retried next round
-                log.warning("%s failed", self._thread.name, extra={"error": f"{type(exc).__name__}: {exc}"})
-            self._stop.wait(self._interval)
-
     def start(self) -> None:
-        self._thread.start()
+        self._periodic.start()
 
     def stop(self) -> None:
-        self._stop.set()
+        self._periodic.stop()
 
 
 class LeaseKeeper(_Periodic):

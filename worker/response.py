@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from app.completions import CompletionDict, UsageDict, completion
 from app.services.tools import ToolPlan, parse_constrained
 from worker.engine import ChoiceDelta, TokenLogprob
 from worker.store import Claim
@@ -108,39 +109,19 @@ def finalize(
     return FinalChoice(choice.index, message, reason, choice.logprobs if logprobs else None)
 
 
-def build_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens, "audio_tokens": 0},
-        "completion_tokens_details": {
-            "reasoning_tokens": 0,
-            "audio_tokens": 0,
-            "accepted_prediction_tokens": 0,
-            "rejected_prediction_tokens": 0,
-        },
-    }
-
-
-def completion_id(job_id: str) -> str:
-    return "chatcmpl-" + job_id.removeprefix("job_")
-
-
 def build_completion(
     claim: Claim,
     choices: list[FinalChoice],
-    usage: dict[str, Any],
+    usage: UsageDict,
     *,
     system_fingerprint: str,
     service_tier: str | None,
-) -> dict[str, Any]:
-    return {
-        "id": completion_id(claim.job_id),
-        "object": "chat.completion",
-        "created": int(claim.created_at.timestamp()),
-        "model": claim.model,
-        "choices": [
+) -> CompletionDict:
+    return completion(
+        claim.job_id,
+        int(claim.created_at.timestamp()),
+        claim.model,
+        [
             {
                 "index": c.index,
                 "message": c.message,
@@ -149,7 +130,7 @@ def build_completion(
             }
             for c in choices
         ],
-        "usage": usage,
-        "system_fingerprint": system_fingerprint,
-        "service_tier": service_tier,
-    }
+        usage,
+        system_fingerprint=system_fingerprint,
+        service_tier=service_tier,
+    )

@@ -11,21 +11,24 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError, SQLAlchemyError
 
-from app.errors import InvalidRequest, LlmqError
+from app.completions import chunk_header
+from app.completions import usage as completion_usage
+from app.errors import InvalidRequest, LlmqError, error_body
 from app.models import JobStatus
 from app.services.contract import ConstraintChecker
 from app.services.tools import call_id
+from worker.deltas import JobStream, StreamShape
 from worker.engine import Engine, EngineDead, EngineUpdate, PromptTooLong, RequestRejected
 from worker.loop import LoopThread
-from worker.response import ChoiceState, build_completion, build_usage, completion_id, finalize
+from worker.response import ChoiceState, build_completion, finalize
 from worker.slots import JobSlots
 from worker.stats import ResourceSampler, generation_stats, power_usage
 from worker.store import Claim, JobStore, Result
-from worker.streaming import JobStream, StreamPublisher, StreamShape
+from worker.streaming import StreamPublisher
 from worker.translate import Renderer, Translation, translate
 
 log = logging.getLogger("llmq.runner")
@@ -116,10 +119,6 @@ class Run:
     result: Result | None = None
     handed_back: bool = False
     constraint_key: str | None = None  # set when the job has a structured-output constraint
-
-
-def _error(message: str, kind: str, code: str | None = None, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 class JobRunner:
@@ -254,12 +253,9 @@ class JobRunner:
         job_id = claim.job_id
         ctx = {"job_id": job_id, "epoch": claim.epoch, "attempt": claim.attempts, "batch_id": claim.batch_id}
         log.log(logging.DEBUG if quiet else logging.INFO, "job claimed", extra=ctx)
-        header = {
-            "id": completion_id(job_id),
-            "created": int(claim.created_at.timestamp()),
-            "model": claim.model,
-            "system_fingerprint": self._config.system_fingerprint,
-        }
+        header = chunk_header(
+            job_id, int(claim.created_at.timestamp()), claim.model, self._config.system_fingerprint
+        )
         run = Run(claim, self._streams.open(job_id, claim.epoch, header), ctx)
         limit = self._config.max_request_bytes
         if claim.request_bytes > limit:
@@ -345,7 +341,7 @@ class JobRunner:
         elif isinstance(error, TimeoutError):
             limit = self._config.job_timeout_seconds
             run.result = self._failed(
-                run, _error(f"the job ran past its deadline of {limit:.0f} s", "timeout", "timeout")
+                run, error_body(f"the job ran past its deadline of {limit:.0f} s", "timeout", code="timeout")
             )
         elif isinstance(error, PromptTooLong):
             body = InvalidRequest(str(error), param="messages", code="context_length_exceeded").body()
@@ -354,7 +350,7 @@ class JobRunner:
             run.result = self._failed(run, InvalidRequest(str(error), param=error.param).body())
         elif error is not None:
             log.error("engine error", extra={**run.ctx, "error": f"{type(error).__name__}: {error}"})
-            run.result = self._failed(run, _error(f"engine error: {error}", "engine_error"))
+            run.result = self._failed(run, error_body(f"engine error: {error}", "engine_error"))
         else:
             run.result = self._succeeded(run)
 
@@ -376,7 +372,7 @@ class JobRunner:
             last_token=outcome.last_token,
             peak_memory_bytes=max(s.memory_bytes for s in samples),
         )
-        usage = build_usage(outcome.prompt_tokens, outcome.completion_tokens, outcome.cached_tokens)
+        usage = completion_usage(outcome.prompt_tokens, outcome.completion_tokens, outcome.cached_tokens)
         finals = [
             finalize(
                 c,
@@ -404,8 +400,9 @@ class JobRunner:
             claim.job_id,
             claim.epoch,
             status.value,
-            response=response,
-            usage=usage,
+            # The row holds plain JSON objects; the TypedDicts only shaped the building.
+            response=cast(dict[str, Any], response),
+            usage=cast(dict[str, Any], usage),
             generation_stats=stats,
             power_usage=None if cancelled else power_usage(samples, ended - outcome.submitted),
             events=run.stream.events,
@@ -481,7 +478,9 @@ class JobRunner:
                 result.job_id,
                 result.epoch,
                 JobStatus.FAILED.value,
-                error=_error("the result could not be stored", "internal_error", "result_not_stored"),
+                error=error_body(
+                    "the result could not be stored", "internal_error", code="result_not_stored"
+                ),
                 end=result.end and {**result.end, "status": JobStatus.FAILED.value},
             )
             return self._persist(lambda: self._store.finish_many([run.result]), run.ctx)  # type: ignore[list-item]

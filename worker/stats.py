@@ -19,6 +19,8 @@ from typing import Any, Protocol
 
 import psutil
 
+from app.periodic import Periodic
+
 log = logging.getLogger("llmq.stats")
 
 
@@ -127,18 +129,17 @@ class ResourceSampler:
         self._interval = interval
         self._ring: deque[Sample] = deque(maxlen=int(keep_seconds / interval) + 1)
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="llmq-sampler", daemon=True)
+        self._periodic = Periodic("llmq-sampler", interval, self.sample, log=log)
 
     @property
     def has_power(self) -> bool:
         return self._sensor is not None
 
     def start(self) -> None:
-        self._thread.start()
+        self._periodic.start()
 
     def stop(self) -> None:
-        self._stop.set()
+        self._periodic.stop()
 
     def sample(self) -> Sample:
         memory = None
@@ -155,13 +156,6 @@ class ResourceSampler:
         with self._lock:
             self._ring.append(s)
         return s
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self._interval):
-            try:
-                self.sample()
-            except Exception:
-                log.exception("sampler error")
 
     def window(self, start: float, end: float) -> list[Sample]:
         """Samples taken between `start` and `end` (monotonic). A job shorter than the

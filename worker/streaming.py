@@ -1,9 +1,10 @@
-"""Token chunks to Redis: coalesced per job, shipped by one thread in pipelined round trips.
+"""Job events to Redis: shipped by one thread in pipelined round trips (the transport;
+shaping deltas into chunks is worker/deltas.py).
 
 Each job's events go to the Redis Stream `llmq:events:<job_id>` with explicit ids
 `<epoch>-<seq>` (so ids grow across attempts and double as SSE ids), and each append is
-announced on the pub/sub channel `llmq:job:<job_id>`. Deltas are coalesced: one event per
-`flush_tokens` tokens or `flush_seconds`, so Redis work grows with streams, not tokens.
+announced on the pub/sub channel `llmq:job:<job_id>`. Deltas reach it coalesced (one event
+per `flush_tokens` tokens or `flush_seconds`), so Redis work grows with streams, not tokens.
 
 The worker keeps every event of a running job; if Redis restarts (and loses the stream),
 the publisher writes the whole history again once it reconnects.
@@ -16,7 +17,6 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from redis import Redis
@@ -24,206 +24,11 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from app.events import END_EVENT, job_channel, job_stream, notification
-from worker.engine import ChoiceDelta, EngineUpdate
-from worker.response import aborted_as, logprob_entry
+from app.completions import ChunkHeader
+from app.events import job_channel, job_stream, notification
+from worker.deltas import JobStream
 
 log = logging.getLogger("llmq.stream")
-
-
-@dataclass
-class _Pending:
-    """What one choice produced since the last flush."""
-
-    text: list[str] = field(default_factory=list)
-    logprobs: list[dict[str, Any]] = field(default_factory=list)
-    finish_reason: str | None = None
-    started: bool = False
-
-
-@dataclass(frozen=True)
-class StreamShape:
-    """How a job's deltas read on the wire.
-
-    - `content`: text deltas (`echo` text first);
-    - `arguments`: a named tool call whose arguments arrive as they are generated;
-    - `buffered`: tool calls found only once the text is complete (`required`, `auto`):
-      nothing is sent until the runner calls `JobStream.complete`.
-    """
-
-    mode: str = "content"
-    tool_name: str | None = None
-    tool_call_id: str | None = None
-    legacy: bool = False
-    echo: str = ""
-    logprobs: bool = False
-
-
-class JobStream:
-    """One job's chunk events. Fed on the engine's loop thread; never blocks on Redis."""
-
-    def __init__(
-        self,
-        publisher: StreamPublisher,
-        job_id: str,
-        epoch: int,
-        header: dict[str, Any],
-        *,
-        n: int,
-        shape: StreamShape | None = None,
-    ) -> None:
-        self._publisher = publisher
-        self.job_id = job_id
-        self.epoch = epoch
-        self._header = header  # id, created, model, system_fingerprint
-        self._pending = [_Pending() for _ in range(n)]
-        self.shape = shape or StreamShape()
-        self._seq = 0
-        self._buffered_tokens = 0
-        self._last_flush = time.monotonic()
-        self.events: list[dict[str, Any]] = []
-        self.first_event_at: float | None = None
-
-    def reshape(self, shape: StreamShape, n: int) -> None:
-        """Set once the request is translated (before the first token)."""
-        self.shape = shape
-        self._pending = [_Pending() for _ in range(n)]
-
-    def _next_id(self) -> str:
-        self._seq += 1
-        return f"{self.epoch}-{self._seq}"
-
-    def add(self, update: EngineUpdate) -> None:
-        if self.shape.mode == "buffered":
-            return
-        for delta in update.deltas:
-            self._take(delta)
-        now = time.monotonic()
-        finishing = any(d.finish_reason for d in update.deltas)
-        if (
-            finishing
-            or self.first_event_at is None  # the first token goes out at once: time to first chunk
-            or self._buffered_tokens >= self._publisher.flush_tokens
-            or now - self._last_flush >= self._publisher.flush_seconds
-        ):
-            self.flush()
-
-    def _take(self, delta: ChoiceDelta) -> None:
-        pending = self._pending[delta.index]
-        if delta.text:
-            pending.text.append(delta.text)
-        if delta.logprobs and self.shape.logprobs:
-            pending.logprobs.extend(logprob_entry(lp) for lp in delta.logprobs)
-        if delta.finish_reason is not None:
-            reason = aborted_as(delta.finish_reason)
-            if self.shape.mode == "arguments" and reason == "stop":
-                reason = "function_call" if self.shape.legacy else "tool_calls"
-            pending.finish_reason = reason
-        self._buffered_tokens += len(delta.token_ids)
-
-    def _delta(self, pending: _Pending) -> dict[str, Any]:
-        text = "".join(pending.text)
-        first = not pending.started
-        delta: dict[str, Any] = {"role": "assistant"} if first else {}
-        if self.shape.mode == "arguments":
-            if self.shape.legacy:
-                call: dict[str, Any] = {"arguments": text}
-                if first:
-                    call = {"name": self.shape.tool_name, **call}
-                delta["function_call"] = call
-            else:
-                tool: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
-                if first:
-                    tool = {
-                        "index": 0,
-                        "id": self.shape.tool_call_id,
-                        "type": "function",
-                        "function": {"name": self.shape.tool_name, "arguments": text},
-                    }
-                delta["tool_calls"] = [tool]
-        else:
-            delta["content"] = (self.shape.echo if first else "") + text
-        return delta
-
-    def flush(self) -> None:
-        """Turn buffered deltas into one chunk event (if there is anything to say)."""
-        choices = []
-        for index, pending in enumerate(self._pending):
-            if not pending.text and pending.finish_reason is None:
-                continue
-            delta = self._delta(pending) if pending.text or not pending.started else {}
-            choices.append(
-                {
-                    "index": index,
-                    "delta": delta,
-                    "logprobs": {"content": pending.logprobs} if pending.logprobs else None,
-                    "finish_reason": pending.finish_reason,
-                }
-            )
-            self._pending[index] = _Pending(started=True)
-        self._buffered_tokens = 0
-        self._last_flush = time.monotonic()
-        if choices:
-            self._emit_chunk(choices)
-
-    def complete(self, finals: list[Any]) -> None:
-        """Buffered mode: send each choice whole, tool calls in OpenAI's streaming form."""
-        if self.shape.mode != "buffered":
-            return
-        choices = []
-        for final in finals:
-            message = final.message
-            delta: dict[str, Any] = {"role": "assistant"}
-            if message.get("content") is not None:
-                delta["content"] = message["content"]
-            if message.get("function_call"):
-                delta["function_call"] = message["function_call"]
-            if message.get("tool_calls"):
-                delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
-            choices.append(
-                {
-                    "index": final.index,
-                    "delta": delta,
-                    "logprobs": {"content": final.logprobs} if final.logprobs else None,
-                    "finish_reason": final.finish_reason,
-                }
-            )
-        if choices:
-            self._emit_chunk(choices)
-
-    def _emit_chunk(self, choices: list[dict[str, Any]]) -> None:
-        chunk = {
-            "id": self._header["id"],
-            "object": "chat.completion.chunk",
-            "created": self._header["created"],
-            "model": self._header["model"],
-            "system_fingerprint": self._header.get("system_fingerprint"),
-            "choices": choices,
-            "usage": None,
-        }
-        self._emit({"type": "chunk", "data": chunk})
-
-    def end_event(
-        self, status: str, *, usage: dict[str, Any] | None, error: dict[str, Any] | None
-    ) -> dict[str, Any]:
-        """The terminal event, with its id; recorded (to persist with the result), but
-        shipped only by `publish_end`, after the result is safely in Postgres."""
-        if self.shape.mode != "buffered":
-            self.flush()
-        event = {"id": self._next_id(), "type": END_EVENT, "status": status, "usage": usage, "error": error}
-        self.events.append(event)
-        return event
-
-    def publish_end(self, event: dict[str, Any]) -> None:
-        self._publisher.submit(self.job_id, event, final=True)
-
-    def _emit(self, body: dict[str, Any]) -> None:
-        # `t`: when the worker produced it (wall clock), for measuring delivery (bench B5).
-        event = {"id": self._next_id(), "t": round(time.time(), 4), **body}
-        if self.first_event_at is None:
-            self.first_event_at = time.monotonic()
-        self.events.append(event)
-        self._publisher.submit(self.job_id, event)
 
 
 # Append one event unless the stream should exist and does not (Redis restarted and lost
@@ -262,7 +67,7 @@ class StreamPublisher:
         self._append = redis.register_script(_APPEND)
         self.published = 0
 
-    def open(self, job_id: str, epoch: int, header: dict[str, Any], *, n: int = 1) -> JobStream:
+    def open(self, job_id: str, epoch: int, header: ChunkHeader, *, n: int = 1) -> JobStream:
         """A new attempt starts a clean log: an older attempt's events are dropped."""
         with self._lock:
             self._history[job_id] = []

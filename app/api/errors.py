@@ -8,7 +8,7 @@ from flask import Flask, Response, jsonify
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
-from app.errors import LlmqError, PayloadTooLarge, RateLimited, ServiceUnavailable
+from app.errors import LlmqError, PayloadTooLarge, RateLimited, ServiceUnavailable, error_body
 
 log = logging.getLogger("llmq.api")
 
@@ -51,14 +51,11 @@ def register(app: Flask) -> None:
     @app.errorhandler(HTTPException)
     def _http(exc: HTTPException) -> Response:
         status = exc.code or 500
-        body = {
-            "error": {
-                "message": exc.description or exc.name,
-                "type": _HTTP_TYPES.get(status, "api_error"),
-                "param": None,
-                "code": exc.name.lower().replace(" ", "_"),
-            }
-        }
+        body = error_body(
+            exc.description or exc.name,
+            _HTTP_TYPES.get(status, "api_error"),
+            code=exc.name.lower().replace(" ", "_"),
+        )
         response = jsonify(body)
         response.status_code = status
         return response
@@ -66,15 +63,6 @@ def register(app: Flask) -> None:
     @app.errorhandler(Exception)
     def _unexpected(exc: Exception) -> Response:
         log.exception("unhandled error")
-        response = jsonify(
-            {
-                "error": {
-                    "message": "internal error; the request was not completed",
-                    "type": "internal_error",
-                    "param": None,
-                    "code": None,
-                }
-            }
-        )
+        response = jsonify(error_body("internal error; the request was not completed", "internal_error"))
         response.status_code = 500
         return response

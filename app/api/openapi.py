@@ -10,9 +10,18 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from app.models import JobStatus
-from app.schemas.batches import BatchCreate, BatchList, BatchObject, FileDeleted, FileList, FileObject
+from app.schemas.batches import (
+    BatchCreate,
+    BatchInputLine,
+    BatchList,
+    BatchObject,
+    BatchOutputLine,
+    FileDeleted,
+    FileList,
+    FileObject,
+)
 from app.schemas.chat import ChatCompletionV2Request
-from app.schemas.completion import BenchChatCompletion, ChatCompletion, RecordedStream
+from app.schemas.completion import BenchChatCompletion, ChatCompletion, ChatCompletionChunk, RecordedStream
 from app.schemas.jobs import ErrorResponse, JobList, JobObject, ModelList
 from app.services.jobs import MAX_PAGE
 
@@ -163,7 +172,21 @@ _ERRORS = {
     422: "Idempotency key reused with another body",
     429: "Rate limited",
 }
-_EXTRA_MODELS: list[type[BaseModel]] = [ChatCompletion, BenchChatCompletion]
+# Bodies that are not one JSON document: each SSE `data:` line of a stream is a chunk (or
+# an `ErrorResponse`); each line of a file is a `BatchInputLine` (an uploaded file) or a
+# `BatchOutputLine` (a batch's output or error file).
+_STREAMED: dict[tuple[str, str], tuple[str, list[type[BaseModel]]]] = {
+    ("get", "/v2/jobs/{job_id}/stream"): ("text/event-stream", [ChatCompletionChunk, ErrorResponse]),
+    ("get", "/v1/files/{file_id}/content"): ("application/jsonl", [BatchInputLine, BatchOutputLine]),
+}
+
+_EXTRA_MODELS: list[type[BaseModel]] = [
+    ChatCompletion,
+    BenchChatCompletion,
+    ChatCompletionChunk,
+    BatchOutputLine,
+    BatchInputLine,
+]
 
 
 def _schemas() -> dict[str, Any]:
@@ -195,10 +218,14 @@ def _operation(route: Route) -> dict[str, Any]:
             "required": True,
             "content": {"application/json": {"schema": {"$ref": _REF.format(model=req.__name__)}}},
         }
+    streamed = _STREAMED.get((method, route[1]))
     for status, model in responses.items():
-        content = (
+        content: dict[str, Any] = (
             {"application/json": {"schema": {"$ref": _REF.format(model=model.__name__)}}} if model else {}
         )
+        if model is None and streamed is not None:
+            refs = [{"$ref": _REF.format(model=m.__name__)} for m in streamed[1]]
+            content = {streamed[0]: {"schema": {"anyOf": refs}}}
         op["responses"][str(status)] = {"description": "OK", "content": content}
     for status, text in _ERRORS.items():
         op["responses"][str(status)] = {

@@ -101,6 +101,7 @@ class DeltaMessage(WireModel):
     reasoning_content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     refusal: str | None = None
+    function_call: dict[str, Any] | None = None  # legacy `functions`: name, then arguments
 
 
 class StreamingChoice(WireModel):

@@ -19,7 +19,8 @@ from app.events import JobEvents
 from app.ids import new_id
 from app.models import Batch, BatchStatus, File, FilePurpose, JobStatus
 from app.queue import JobQueue
-from app.services.batches import BATCH_COUNTS, end_lines, materialize, output_lines, tell_ended
+from app.services.batch_output import output_lines
+from app.services.batch_transitions import BATCH_COUNTS, end_lines, materialize, tell_ended
 from app.services.fair_share import FairShare
 
 log = logging.getLogger("llmq.batches")

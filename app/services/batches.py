@@ -1,13 +1,12 @@
-"""OpenAI Batches on job rows: creating a batch turns its file's lines into jobs with one
-INSERT ... SELECT; progress, output and error files are read from those rows."""
+"""OpenAI Batches on job rows, the use cases: create (its file's lines become jobs with one
+INSERT ... SELECT), get, list, cancel, retry. Row transitions are in batch_transitions,
+the output and error files in batch_output."""
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import re
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
@@ -15,10 +14,10 @@ from sqlalchemy import select, text, update
 from sqlalchemy.exc import SQLAlchemyError
 
 from app.db import Database
-from app.errors import Conflict, InvalidRequest, NotFound
-from app.events import JobEvents, end_event
+from app.errors import Conflict, InvalidRequest
+from app.events import JobEvents
 from app.ids import new_id
-from app.models import Batch, BatchStatus, File, FilePurpose, Job, JobStatus, Tenant
+from app.models import Batch, BatchStatus, File, FilePurpose, Job, JobStatus
 from app.schemas.base import unix_time
 from app.schemas.batches import (
     BATCH_ENDPOINTS,
@@ -32,36 +31,24 @@ from app.schemas.batches import (
     OutputTokensDetails,
     RequestCounts,
 )
-from app.services.idempotency import IdempotencyKey, IdempotencyLocks
+from app.services.batch_transitions import (
+    ACTIVE,
+    BATCH_COUNTS,
+    end_lines,
+    fail_validating,
+    materialize,
+    tell_ended,
+)
+from app.services.idempotency import IdempotencyKey, IdempotencyLocks, find_replay
 from app.services.keys import Principal
+from app.services.ownership import load_owned
+from app.services.pagination import check_limit, newest_first, page_fields
 from app.services.parsing import parse_model
-from app.services.priority import PriorityBand
 from app.services.quotas import check_batch_lines
 
 log = logging.getLogger("llmq.batches")
 
 MAX_METADATA_PAIRS = 16
-ACTIVE = (BatchStatus.VALIDATING.value, BatchStatus.IN_PROGRESS.value, BatchStatus.CANCELLING.value)
-LINE_ERRORS = {
-    JobStatus.CANCELLED.value: ("batch_cancelled", "the batch was cancelled before this request finished"),
-    JobStatus.EXPIRED.value: (
-        "batch_expired",
-        "the batch's completion window ended before this request finished",
-    ),
-}
-
-_CREATE_JOBS = text(
-    """
-    INSERT INTO jobs (id, tenant_id, kind, status, priority, model, request, metadata, attempts, epoch,
-                      created_at, enqueued_at, batch_id, custom_id, line_no)
-    SELECT 'job_' || :suffix || '_' || lpad(fl.line_no::text, 6, '0'), :tenant, 'chat', 'queued',
-           coalesce((b->>'priority')::numeric::int, :default_priority), b->>'model', b, b->'metadata', 0, 0,
-           now(), NULL,
-           :batch, fl.custom_id, fl.line_no
-    FROM file_lines fl, LATERAL (SELECT (fl.raw::json)->'body' AS b) body
-    WHERE fl.file_id = :file
-    """
-)
 
 # The first line asking for a priority outside the tenant's band.
 _OUT_OF_BAND = text(
@@ -71,18 +58,7 @@ _OUT_OF_BAND = text(
     """
 )
 
-BATCH_COUNTS = text(
-    """
-    SELECT status, count(*) AS n,
-           coalesce(sum((usage->>'prompt_tokens')::bigint), 0) AS prompt,
-           coalesce(sum((usage->>'completion_tokens')::bigint), 0) AS completion,
-           coalesce(sum((usage->'prompt_tokens_details'->>'cached_tokens')::bigint), 0) AS cached
-    FROM jobs WHERE batch_id = :batch GROUP BY status
-    """
-)
-
-
-# The same figures for a page of batches at once, and each batch's model (its first line's).
+# BATCH_COUNTS for a page of batches at once, and each batch's model (its first line's).
 BATCH_COUNTS_MANY = text(
     """
     SELECT batch_id, status, count(*) AS n,
@@ -142,19 +118,7 @@ class BatchService:
             return self._create(principal, payload, parent, None)
         with self._locks.hold(principal.tenant_id, idem):
             with self._db.session() as s:
-                found = s.scalar(
-                    select(Batch).where(
-                        Batch.tenant_id == principal.tenant_id, Batch.idempotency_key == idem.key
-                    )
-                )
-                if (
-                    found is not None
-                    and (datetime.now(UTC) - found.created_at).total_seconds() > self._idempotency_ttl
-                ):
-                    found.idempotency_key = None
-                    found = None
-                if found is not None:
-                    idem.check_same(found.request_hash)
+                found = find_replay(s, Batch, principal.tenant_id, idem, self._idempotency_ttl)
             if found is not None:
                 return self.get(principal, found.id)
             return self._create(principal, payload, parent, idem)
@@ -170,11 +134,7 @@ class BatchService:
         self._check_metadata(req.metadata)
         seconds = window_seconds(req.completion_window)
         with self._db.session() as s:
-            f = s.scalar(
-                select(File).where(File.id == req.input_file_id, File.tenant_id == principal.tenant_id)
-            )
-            if f is None:
-                raise NotFound(f"No such File object: {req.input_file_id}", param="input_file_id")
+            f = load_owned(s, File, req.input_file_id, principal.tenant_id, param="input_file_id")
             if f.purpose != FilePurpose.BATCH.value:
                 raise InvalidRequest(
                     f"file {f.id} has purpose {f.purpose!r}, not 'batch'", param="input_file_id"
@@ -243,43 +203,27 @@ class BatchService:
 
     # --- read ---------------------------------------------------------------------------
 
-    def _load(self, s: Any, principal: Principal, batch_id: str) -> Batch:
-        batch: Batch | None = s.scalar(
-            select(Batch).where(Batch.id == batch_id, Batch.tenant_id == principal.tenant_id)
-        )
-        if batch is None:
-            raise NotFound(f"No such Batch object: {batch_id}", param="batch_id")
-        return batch
-
     def get(self, principal: Principal, batch_id: str) -> BatchObject:
         with self._db.session() as s:
-            batch = self._load(s, principal, batch_id)
+            batch = load_owned(s, Batch, batch_id, principal.tenant_id)
             counts = s.execute(BATCH_COUNTS, {"batch": batch.id}).all()
             model = s.scalar(select(Job.model).where(Job.batch_id == batch.id).limit(1))
         return to_batch_object(batch, counts, model)
 
     def list(self, principal: Principal, *, after: str | None, limit: int) -> BatchList:
-        if not 1 <= limit <= 100:
-            raise InvalidRequest("`limit` must be between 1 and 100", param="limit")
+        check_limit(limit, 100)
         q = select(Batch).where(Batch.tenant_id == principal.tenant_id)
-        if after:
-            q = q.where(Batch.id < after)
         with self._db.session() as s:
-            batches = list(s.scalars(q.order_by(Batch.id.desc()).limit(limit + 1)))
-            page = [b.id for b in batches[:limit]]
+            batches, more = newest_first(s, q, Batch.id, after=after, limit=limit)
+            page = [b.id for b in batches]
             counts: dict[str, list[Any]] = {i: [] for i in page}
             models: dict[str, str] = {}
             if page:
                 for row in s.execute(BATCH_COUNTS_MANY, {"batches": page}):
                     counts[row.batch_id].append(row)
                 models = {row.batch_id: row.model for row in s.execute(BATCH_MODELS, {"batches": page})}
-        data = [to_batch_object(b, counts[b.id], models.get(b.id)) for b in batches[:limit]]
-        return BatchList(
-            data=data,
-            first_id=data[0].id if data else None,
-            last_id=data[-1].id if data else None,
-            has_more=len(batches) > limit,
-        )
+        data = [to_batch_object(b, counts[b.id], models.get(b.id)) for b in batches]
+        return BatchList(data=data, **page_fields(data, more))
 
     # --- cancel and retry ---------------------------------------------------------------
 
@@ -294,7 +238,7 @@ class BatchService:
         """
         now = datetime.now(UTC)
         with self._db.session() as s:
-            batch = self._load(s, principal, batch_id)
+            batch = load_owned(s, Batch, batch_id, principal.tenant_id)
             already = batch.status in (BatchStatus.CANCELLING.value, BatchStatus.CANCELLED.value)
             if not already and batch.status not in ACTIVE:
                 raise Conflict(
@@ -321,7 +265,7 @@ class BatchService:
             Conflict: the batch is still running, or nothing in it failed.
         """
         with self._db.session() as s:
-            batch = self._load(s, principal, batch_id)
+            batch = load_owned(s, Batch, batch_id, principal.tenant_id)
             if batch.status in ACTIVE or batch.status == BatchStatus.FINALIZING.value:
                 raise Conflict(
                     f"batch {batch_id} is still {batch.status}", param="batch_id", code="batch_running"
@@ -373,79 +317,6 @@ class BatchService:
             "metadata": batch.metadata_,
         }
         return self.create(principal, payload, parent=batch_id)
-
-
-def materialize(db: Database, batch_id: str) -> bool:
-    """Turn a `validating` batch's input lines into its jobs (one INSERT ... SELECT) and
-    move it to `in_progress`. Idempotent: a batch no longer validating (done already, or
-    cancelled meanwhile) is left as it is. Returns whether this call did it."""
-    with db.session() as s:
-        batch = s.scalar(select(Batch).where(Batch.id == batch_id).with_for_update())
-        if batch is None or batch.status != BatchStatus.VALIDATING.value:
-            return False
-        tenant = s.get(Tenant, batch.tenant_id)
-        band = PriorityBand(tenant.priority_min, tenant.priority_max) if tenant else PriorityBand()
-        s.execute(
-            _CREATE_JOBS,
-            {
-                "suffix": batch.id.removeprefix("batch_"),
-                "tenant": batch.tenant_id,
-                "batch": batch.id,
-                "file": batch.input_file_id,
-                "default_priority": band.default,
-            },
-        )
-        batch.status = BatchStatus.IN_PROGRESS.value
-        batch.in_progress_at = datetime.now(UTC)
-    return True
-
-
-def fail_validating(db: Database, batch_id: str) -> None:
-    """End a batch whose lines could not be turned into jobs (the caller got an error)."""
-    error = {"code": "batch_not_created", "message": "the batch's requests could not be created"}
-    with db.session() as s:
-        s.execute(
-            update(Batch)
-            .where(Batch.id == batch_id, Batch.status == BatchStatus.VALIDATING.value)
-            .values(
-                status=BatchStatus.FAILED.value,
-                failed_at=datetime.now(UTC),
-                errors={"object": "list", "data": [error]},
-            )
-        )
-
-
-def tell_ended(events: JobEvents, ended: list[tuple[str, int, str]], status: JobStatus) -> None:
-    """Abort the lines that were running in the engine, and end every line's event log."""
-    code, message = LINE_ERRORS[status.value]
-    error = {"message": message, "type": "invalid_request_error", "param": None, "code": code}
-    events.request_cancels([job_id for job_id, _, before in ended if before == JobStatus.RUNNING.value])
-    events.append_ends([(job_id, end_event(epoch, status.value, error)) for job_id, epoch, _ in ended])
-
-
-def end_lines(db: Database, batch_id: str, status: JobStatus) -> list[tuple[str, int, str]]:
-    """End every unfinished line of a batch as `status` (cancelled or expired). Running
-    lines get a new epoch, so the worker's late write is refused. Returns (id, epoch, status
-    before) of each line ended."""
-    code, message = LINE_ERRORS[status.value]
-    error = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
-    stamp = "cancelled_at" if status == JobStatus.CANCELLED else "expired_at"
-    with db.session() as s:
-        rows = s.execute(
-            text(
-                f"""
-                WITH targets AS (
-                  SELECT id, status FROM jobs
-                  WHERE batch_id = :batch AND status IN ('queued', 'running') FOR UPDATE)
-                UPDATE jobs SET status = :status, {stamp} = now(), epoch = jobs.epoch + 1,
-                       error = CAST(:error AS json), lease_owner = NULL, lease_expires_at = NULL
-                FROM targets WHERE jobs.id = targets.id
-                RETURNING jobs.id, jobs.epoch, targets.status
-                """  # noqa: S608 - `stamp` is one of two column names
-            ),
-            {"batch": batch_id, "status": status.value, "error": json.dumps(error)},
-        ).all()
-    return [(r[0], r[1], r[2]) for r in rows]
 
 
 def to_batch_object(batch: Batch, counts: Any, model: str | None) -> BatchObject:
@@ -502,77 +373,3 @@ def to_batch_object(batch: Batch, counts: Any, model: str | None) -> BatchObject
         x_estimated_seconds_left=eta,
         x_parent_batch_id=batch.parent_batch_id,
     )
-
-
-# --- output and error files ------------------------------------------------------------
-
-
-# Rows per query of a download: large enough that paging costs little, small enough that
-# no page holds a connection (or memory) for long.
-DOWNLOAD_PAGE_ROWS = 1000
-
-
-def output_lines(
-    db: Database, batch_id: str, part: str, *, page: int = DOWNLOAD_PAGE_ROWS
-) -> Iterator[bytes]:
-    """The batch's output (`part` "output": succeeded lines) or error file ("errors": the
-    rest), generated from its job rows in input order. Read in pages of `page` rows, each
-    its own short query (keyset on the line number), so a slow reader holds no pooled
-    connection between pages."""
-    statuses = (
-        [JobStatus.SUCCEEDED.value]
-        if part == "output"
-        else [
-            JobStatus.FAILED.value,
-            JobStatus.CANCELLED.value,
-            JobStatus.EXPIRED.value,
-        ]
-    )
-    after = -1
-    while True:
-        q = (
-            select(Job.line_no, Job.id, Job.custom_id, Job.status, Job.response, Job.error)
-            .where(Job.batch_id == batch_id, Job.status.in_(statuses), Job.line_no > after)
-            .order_by(Job.line_no)
-            .limit(page)
-        )
-        with db.engine.connect() as conn:
-            rows = conn.execute(q).all()
-        for row in rows:
-            yield (json.dumps(output_line(*row[1:]), ensure_ascii=False) + "\n").encode("utf-8")
-        if len(rows) < page:
-            return
-        after = rows[-1].line_no
-
-
-def output_line(job_id: str, custom_id: str, status: str, response: Any, error: Any) -> dict[str, Any]:
-    line_id = "batch_req_" + job_id.removeprefix("job_")
-    if status == JobStatus.SUCCEEDED.value:
-        return {
-            "id": line_id,
-            "custom_id": custom_id,
-            "response": {"status_code": 200, "request_id": job_id, "body": response},
-            "error": None,
-        }
-    if status in LINE_ERRORS:
-        code, message = LINE_ERRORS[status]
-        return {
-            "id": line_id,
-            "custom_id": custom_id,
-            "response": None,
-            "error": {"code": code, "message": message},
-        }
-    body = error or {
-        "error": {"message": "the request failed", "type": "api_error", "param": None, "code": None}
-    }
-    kind = body.get("error", {}).get("type")
-    return {
-        "id": line_id,
-        "custom_id": custom_id,
-        "response": {
-            "status_code": 400 if kind == "invalid_request_error" else 500,
-            "request_id": job_id,
-            "body": body,
-        },
-        "error": None,
-    }

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from sqlalchemy import delete, func, select
 
 from app.db import Database
-from app.errors import Conflict, InvalidRequest, LlmqError, NotFound, PayloadTooLarge
+from app.errors import Conflict, InvalidRequest, LlmqError, PayloadTooLarge
 from app.ids import new_id
 from app.models import Batch, BatchStatus, File, FileLine, FilePurpose
 from app.schemas.base import unix_time
@@ -30,9 +30,11 @@ from app.schemas.batches import (
     FileList,
     FileObject,
 )
-from app.services.batches import DOWNLOAD_PAGE_ROWS, output_lines
+from app.services.batch_output import DOWNLOAD_PAGE_ROWS, output_lines
 from app.services.contract import RequestPolicy
 from app.services.keys import Principal
+from app.services.ownership import load_owned
+from app.services.pagination import check_limit, newest_first, page_fields
 from app.services.parsing import check_depth, decode_json, describe, error_param
 from app.settings import Settings
 
@@ -257,28 +259,17 @@ class FileService:
 
     def get(self, principal: Principal, file_id: str) -> File:
         with self._db.session() as s:
-            f = s.scalar(select(File).where(File.id == file_id, File.tenant_id == principal.tenant_id))
-        if f is None:
-            raise NotFound(f"No such File object: {file_id}", param="file_id")
-        return f
+            return load_owned(s, File, file_id, principal.tenant_id)
 
     def list(self, principal: Principal, *, purpose: str | None, after: str | None, limit: int) -> FileList:
-        if not 1 <= limit <= 10_000:
-            raise InvalidRequest("`limit` must be between 1 and 10000", param="limit")
+        check_limit(limit, 10_000)
         q = select(File).where(File.tenant_id == principal.tenant_id)
         if purpose:
             q = q.where(File.purpose == purpose)
-        if after:
-            q = q.where(File.id < after)
         with self._db.session() as s:
-            rows = list(s.scalars(q.order_by(File.id.desc()).limit(limit + 1)))
-        data = [to_file_object(f) for f in rows[:limit]]
-        return FileList(
-            data=data,
-            first_id=data[0].id if data else None,
-            last_id=data[-1].id if data else None,
-            has_more=len(rows) > limit,
-        )
+            rows, more = newest_first(s, q, File.id, after=after, limit=limit)
+        data = [to_file_object(f) for f in rows]
+        return FileList(data=data, **page_fields(data, more))
 
     def delete(self, principal: Principal, file_id: str) -> FileDeleted:
         """Raises:

@@ -13,11 +13,15 @@ import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from datetime import UTC, datetime
+from typing import Any, TypeVar
 
 from redis import Redis
+from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from app.errors import Conflict, InvalidRequest, Unprocessable
+from app.models import Batch, Job
 
 MAX_KEY_LENGTH = 256
 
@@ -72,3 +76,25 @@ class IdempotencyLocks:
             yield
         finally:
             self._redis.delete(name)
+
+
+Replayable = TypeVar("Replayable", Job, Batch)
+
+
+def find_replay(
+    s: Session, model: type[Replayable], tenant_id: str, idem: IdempotencyKey, ttl_seconds: float
+) -> Replayable | None:
+    """The row this key made before, if it is still within `ttl_seconds` (an older one
+    gives its key up, so the key is free again).
+
+    Raises:
+        Unprocessable: the key was used with another body.
+    """
+    row = s.scalar(select(model).where(model.tenant_id == tenant_id, model.idempotency_key == idem.key))
+    if row is None:
+        return None
+    if (datetime.now(UTC) - row.created_at).total_seconds() > ttl_seconds:
+        row.idempotency_key = None
+        return None
+    idem.check_same(row.request_hash)
+    return row

@@ -9,7 +9,7 @@ from typing import Any
 from sqlalchemy import insert, select, update
 
 from app.db import Database
-from app.errors import Conflict, InvalidRequest, NotFound
+from app.errors import Conflict, InvalidRequest
 from app.events import JobEvents, end_event
 from app.ids import new_id
 from app.models import Job, JobKind, JobStatus
@@ -18,8 +18,10 @@ from app.schemas.base import unix_time
 from app.schemas.chat import ChatCompletionV2Request
 from app.schemas.jobs import JobList, JobObject
 from app.services.contract import RequestPolicy
-from app.services.idempotency import IdempotencyKey, IdempotencyLocks
+from app.services.idempotency import IdempotencyKey, IdempotencyLocks, find_replay
 from app.services.keys import Principal
+from app.services.ownership import load_owned
+from app.services.pagination import check_limit, newest_first, page_fields
 from app.services.parsing import parse_model
 from app.services.quotas import check_single_jobs
 
@@ -136,16 +138,8 @@ class JobService:
 
     def _replay(self, principal: Principal, idem: IdempotencyKey) -> JobObject | None:
         with self._db.session() as s:
-            job = s.scalar(
-                select(Job).where(Job.tenant_id == principal.tenant_id, Job.idempotency_key == idem.key)
-            )
-            if job is None:
-                return None
-            if (datetime.now(UTC) - job.created_at).total_seconds() > self._idempotency_ttl:
-                job.idempotency_key = None  # expired: the key is free again
-                return None
-            idem.check_same(job.request_hash)
-            return to_job_object(job)
+            job = find_replay(s, Job, principal.tenant_id, idem, self._idempotency_ttl)
+            return to_job_object(job) if job is not None else None
 
     def _insert(
         self,
@@ -199,7 +193,7 @@ class JobService:
         NotFound: no such job for this tenant (another tenant's job included).
         """
         with self._db.session() as s:
-            return to_job_object(self._load(s, principal, job_id))
+            return to_job_object(load_owned(s, Job, job_id, principal.tenant_id))
 
     def list(
         self,
@@ -211,8 +205,7 @@ class JobService:
         limit: int = 20,
     ) -> JobList:
         """Newest first; `after` is the last id of the previous page."""
-        if not 1 <= limit <= MAX_PAGE:
-            raise InvalidRequest(f"`limit` must be between 1 and {MAX_PAGE}", param="limit")
+        check_limit(limit, MAX_PAGE)
         if status is not None and status not in {s.value for s in JobStatus}:
             raise InvalidRequest(f"unknown status {status!r}", param="status")
         q = select(Job).where(Job.tenant_id == principal.tenant_id)
@@ -220,18 +213,10 @@ class JobService:
             q = q.where(Job.status == status)
         if batch_id:
             q = q.where(Job.batch_id == batch_id)
-        if after:
-            q = q.where(Job.id < after)
-        q = q.order_by(Job.id.desc()).limit(limit + 1)
         with self._db.session() as s:
-            rows = list(s.scalars(q))
-        page = [to_job_object(j) for j in rows[:limit]]
-        return JobList(
-            data=page,
-            first_id=page[0].id if page else None,
-            last_id=page[-1].id if page else None,
-            has_more=len(rows) > limit,
-        )
+            rows, more = newest_first(s, q, Job.id, after=after, limit=limit)
+        page = [to_job_object(j) for j in rows]
+        return JobList(data=page, **page_fields(page, more))
 
     def cancel(self, principal: Principal, job_id: str) -> JobObject:
         """Cancel a queued job at once; ask the worker to abort a running one and wait a
@@ -243,7 +228,7 @@ class JobService:
         """
         now = datetime.now(UTC)
         with self._db.session() as s:
-            job = self._load(s, principal, job_id)
+            job = load_owned(s, Job, job_id, principal.tenant_id)
             status = JobStatus(job.status)
             if status == JobStatus.CANCELLED:
                 return to_job_object(job)
@@ -277,10 +262,3 @@ class JobService:
         with self._db.session() as s:
             status = s.scalar(select(Job.status).where(Job.id == job_id))
         return status is None or JobStatus(status).terminal
-
-    @staticmethod
-    def _load(s: Any, principal: Principal, job_id: str) -> Job:
-        job: Job | None = s.scalar(select(Job).where(Job.id == job_id, Job.tenant_id == principal.tenant_id))
-        if job is None:
-            raise NotFound(f"No job found with id '{job_id}'", param="job_id")
-        return job

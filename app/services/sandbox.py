@@ -180,7 +180,7 @@ class ConstraintSandbox:
                 "constraint refused: the compiler %s",
                 "ran past its time limit" if timed_out else "died",
                 extra={
-                    "param": found.param,
+                    "field": found.param,
                     "returncode": rc,
                     "seconds": round(time.monotonic() - started, 3),
                 },

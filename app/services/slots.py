@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,6 +20,7 @@ from redis import Redis
 from redis.exceptions import RedisError
 
 from app.errors import RateLimited
+from app.periodic import Periodic
 
 log = logging.getLogger("llmq.slots")
 
@@ -67,7 +67,8 @@ class StreamSlots:
         self._refresh = redis.register_script(_REFRESH)
         self._held: dict[str, str] = {}  # slot id -> key id
         self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
+        # Started with the first slot taken: a process that never streams runs no thread.
+        self._refresher = Periodic("llmq-slots", ttl_seconds / 4, self._refresh_held, log=log)
 
     @property
     def enabled(self) -> bool:
@@ -129,24 +130,17 @@ class StreamSlots:
 
     def _ensure_refresher(self) -> None:
         with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="llmq-slots", daemon=True)
-                self._thread.start()
+            if not self._refresher.started:
+                self._refresher.start()
 
-    def _loop(self) -> None:
-        while True:
-            time.sleep(self._ttl / 4)
-            with self._lock:
-                held = list(self._held.items())
-            if not held:
-                continue
-            try:
-                self._refresh(
-                    keys=[_slots_key(key_id) for _, key_id in held],
-                    args=[self._ttl, *(slot for slot, _ in held)],
-                )
-            except RedisError as exc:
-                log.warning("slot refresh failed", extra={"error": type(exc).__name__})
+    def _refresh_held(self) -> None:
+        with self._lock:
+            held = list(self._held.items())
+        if held:
+            self._refresh(
+                keys=[_slots_key(key_id) for _, key_id in held],
+                args=[self._ttl, *(slot for slot, _ in held)],
+            )
 
 
 class _Held(Generic[T]):

@@ -1,5 +1,6 @@
-"""Reading a job's event log: SSE for live subscribers, the recorded stream, and waiting
-for a job's end.
+"""Reading a job's event log: the SSE generator for live subscribers, the recorded stream,
+and waiting for a job's end. Framing is in app/services/sse.py, the shared pub/sub in
+app/services/notifier.py.
 
 The backlog comes from the Redis Stream (or, once it has expired or was lost, from the
 events persisted with the job in Postgres); live events arrive through one shared pub/sub
@@ -14,166 +15,32 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from redis import Redis
 from redis.exceptions import RedisError
-from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
 
+from app.completions import usage_chunk
 from app.db import Database
-from app.errors import NotFound, Unauthorized
+from app.errors import Unauthorized, error_object
 from app.events import (
     END_EVENT,
     EventId,
     end_event,
-    is_end_notification,
-    job_channel,
     job_stream,
     parse_event_id,
 )
 from app.models import Job, JobStatus
 from app.schemas.completion import RecordedStream
-from app.services.feeds import FeedRead, JobFeed
+from app.services.feeds import FeedRead
 from app.services.keys import KeyService, Principal
+from app.services.notifier import Notifier
+from app.services.ownership import load_owned
+from app.services.sse import DONE, HEARTBEAT, frame, restarted, revoked
 
 log = logging.getLogger("llmq.stream")
-
-HEARTBEAT = ": keep-alive\n\n"
-DONE = "data: [DONE]\n\n"
-
-
-class Waiter:
-    def __init__(self, feed: JobFeed) -> None:
-        self._event = threading.Event()
-        self.ended = False
-        self.feed = feed  # shared by every watcher of the job in this process
-
-    def notify(self, final: bool) -> None:
-        self.ended = self.ended or final
-        self._event.set()
-
-    def wait(self, timeout: float) -> bool:
-        fired = self._event.wait(timeout)
-        self._event.clear()
-        return fired
-
-
-class Notifier:
-    """One pub/sub connection for the whole process. Channels are subscribed while someone
-    watches them; a watcher is woken on every append to its job's log."""
-
-    def __init__(self, redis: Redis[bytes], *, poll_seconds: float = 0.05) -> None:
-        self._redis = redis
-        self._poll = poll_seconds
-        self._lock = threading.Lock()
-        self._waiters: dict[str, set[Waiter]] = {}
-        self._pending: list[tuple[str, str]] = []  # ("sub" | "unsub", channel)
-        self._confirmed: dict[str, threading.Event] = {}
-        # Notifications seen per channel: a job's feed reads Redis again only when it moved.
-        self._versions: dict[str, int] = {}
-        self._feeds: dict[str, JobFeed] = {}
-        self._thread: threading.Thread | None = None
-
-    def _ensure_started(self) -> None:
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="llmq-notifier", daemon=True)
-                self._thread.start()
-
-    @contextmanager
-    def watch(self, job_id: str, timeout: float = 5.0) -> Iterator[Waiter]:
-        """Subscribed (confirmed by Redis) before the block starts, so nothing appended
-        after the caller's next read can be missed."""
-        self._ensure_started()
-        channel = job_channel(job_id)
-        with self._lock:
-            first = channel not in self._waiters
-            feed = self._feeds.get(channel)
-            if feed is None:
-                feed = self._feeds[channel] = JobFeed(
-                    self._redis, job_id, lambda: self._versions.get(channel, 0)
-                )
-            waiter = Waiter(feed)
-            self._waiters.setdefault(channel, set()).add(waiter)
-            confirmed = self._confirmed.setdefault(channel, threading.Event())
-            if first:
-                self._pending.append(("sub", channel))
-        confirmed.wait(timeout)
-        try:
-            yield waiter
-        finally:
-            with self._lock:
-                watchers = self._waiters.get(channel)
-                if watchers is not None:
-                    watchers.discard(waiter)
-                    if not watchers:
-                        del self._waiters[channel]
-                        self._confirmed.pop(channel, None)
-                        self._versions.pop(channel, None)
-                        self._feeds.pop(channel, None)
-                        self._pending.append(("unsub", channel))
-
-    def _loop(self) -> None:
-        while True:
-            pubsub = self._redis.pubsub()
-            try:
-                with self._lock:
-                    channels = list(self._waiters)
-                    self._pending.clear()
-                if channels:
-                    pubsub.subscribe(*channels)
-                self._wake_all()  # whatever happened while disconnected, look again
-                while True:
-                    self._apply_pending(pubsub)
-                    message = pubsub.get_message(timeout=self._poll)
-                    if message is not None:
-                        self._dispatch(message)
-            except RedisError as exc:
-                log.warning("notifier reconnecting", extra={"error": type(exc).__name__})
-                self._wake_all()
-                time.sleep(0.5)
-            finally:
-                pubsub.close()
-
-    def _apply_pending(self, pubsub: Any) -> None:
-        with self._lock:
-            ops, self._pending = self._pending, []
-        for op, channel in ops:
-            if op == "sub":
-                pubsub.subscribe(channel)
-            else:
-                pubsub.unsubscribe(channel)
-
-    def _dispatch(self, message: dict[str, Any]) -> None:
-        channel = message["channel"].decode() if isinstance(message["channel"], bytes) else message["channel"]
-        kind = message["type"]
-        with self._lock:
-            if kind == "subscribe":
-                confirmed = self._confirmed.get(channel)
-                if confirmed is not None:
-                    confirmed.set()
-                return
-            if kind != "message":
-                return
-            # Before anyone wakes, so a woken subscriber's feed sees the log moved.
-            self._versions[channel] = self._versions.get(channel, 0) + 1
-            waiters = list(self._waiters.get(channel, ()))
-        final = is_end_notification(message["data"])
-        for waiter in waiters:
-            waiter.notify(final)
-
-    def _wake_all(self) -> None:
-        with self._lock:
-            waiters = [w for ws in self._waiters.values() for w in ws]
-            for channel in self._waiters:
-                self._versions[channel] = self._versions.get(channel, 0) + 1
-            for confirmed in self._confirmed.values():
-                confirmed.set()
-        for waiter in waiters:
-            waiter.notify(False)
 
 
 @dataclass
@@ -250,9 +117,7 @@ class StreamService:
 
     def _view(self, principal: Principal, job_id: str) -> JobView:
         with self._db.session() as s:
-            job = s.scalar(select(Job).where(Job.id == job_id, Job.tenant_id == principal.tenant_id))
-            if job is None:
-                raise NotFound(f"No job found with id '{job_id}'", param="job_id")
+            job = load_owned(s, Job, job_id, principal.tenant_id)
             options = (job.request or {}).get("stream_options") or {}
             return JobView(
                 id=job.id,
@@ -324,7 +189,7 @@ class StreamService:
                 if time.monotonic() >= next_key_check:
                     # A revoked key's stream stops, even while events keep flowing.
                     if not self._key_watch.valid(principal.key_id):
-                        yield from _revoked()
+                        yield from revoked()
                         return
                     next_key_check = time.monotonic() + self._key_check
                 events: list[dict[str, Any]] = []
@@ -352,13 +217,13 @@ class StreamService:
                 for event in events:
                     eid = _eid(event)
                     if epoch is not None and eid.epoch > epoch and event.get("type") != END_EVENT:
-                        yield from _restarted(eid)
+                        yield from restarted(eid)
                         return
                     epoch, cursor = eid.epoch, eid
                     if event.get("type") == END_EVENT:
                         yield from self._final(view, event, include_usage)
                         return
-                    yield _sse(event["data"], str(eid))
+                    yield frame(event["data"], str(eid))
                 if events:
                     next_heartbeat = time.monotonic() + self._heartbeat
                     continue
@@ -376,18 +241,10 @@ class StreamService:
     def _final(self, view: JobView, event: dict[str, Any], include_usage: bool) -> Iterator[str]:
         eid = str(event["id"])
         if include_usage and event.get("usage"):
-            chunk = {
-                "id": "chatcmpl-" + view.id.removeprefix("job_"),
-                "object": "chat.completion.chunk",
-                "created": view.created,
-                "model": view.model,
-                "choices": [],
-                "usage": event["usage"],
-            }
-            yield _sse(chunk, eid)
+            yield frame(usage_chunk(view.id, view.created, view.model, event["usage"]), eid)
         error = event.get("error") or _error_for_status(event.get("status", ""))
         if error:
-            yield _sse({"error": error}, eid)
+            yield frame({"error": error}, eid)
         yield DONE
 
     # --- recorded stream and waiting -----------------------------------------------------
@@ -435,37 +292,10 @@ def _eid(event: dict[str, Any]) -> EventId:
     return parsed
 
 
-def _sse(data: dict[str, Any], event_id: str) -> str:
-    return f"id: {event_id}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
-
-
-def _revoked() -> Iterator[str]:
-    error = {
-        "message": "the API key was revoked",
-        "type": "authentication_error",
-        "param": None,
-        "code": "invalid_api_key",
-    }
-    yield f"data: {json.dumps({'error': error})}\n\n"
-    yield DONE
-
-
-def _restarted(eid: EventId) -> Iterator[str]:
-    error = {
-        "message": "the job was restarted after a worker failure; reconnect without Last-Event-ID "
-        "to receive the new attempt from its start",
-        "type": "stream_restarted",
-        "param": None,
-        "code": "stream_restarted",
-    }
-    yield f"id: {eid}\ndata: {json.dumps({'error': error})}\n\n"
-    yield DONE
-
-
 def _error_for_status(status: str) -> dict[str, Any] | None:
     if status in _TERMINAL_ERRORS:
         message, kind, code = _TERMINAL_ERRORS[status]
-        return {"message": message, "type": kind, "param": None, "code": code}
+        return error_object(message, kind, code=code)
     return None
 
 

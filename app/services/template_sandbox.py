@@ -188,7 +188,7 @@ class TemplateSandbox:
             if child is not None:
                 child.kill()
             child = None
-            log.warning("template render killed", extra={"param": param, "why": str(exc)})
+            log.warning("template render killed", extra={"field": param, "why": str(exc)})
             raise InvalidRequest(
                 f"the chat template did not finish rendering within {self._timeout:g} s", param=param
             ) from exc

@@ -301,7 +301,7 @@ def test_an_unread_download_holds_no_database_connection(quick_app: Flask, quick
 
 
 def test_an_unread_batch_output_holds_no_database_connection(quick_app: Flask, quick: Services) -> None:
-    from app.services.batches import output_lines
+    from app.services.batch_output import output_lines
 
     client = quick_app.test_client()
     key = new_key(quick)

@@ -85,7 +85,7 @@ class FakeStreams:
         self.discarded: list[str] = []
 
     def open(self, job_id: str, epoch: int, header: dict[str, Any], *, n: int = 1) -> Any:
-        from worker.streaming import JobStream
+        from worker.deltas import JobStream
 
         self.shipped[job_id] = []
         return JobStream(self, job_id, epoch, header, n=n)  # type: ignore[arg-type]

@@ -1,0 +1,125 @@
+"""A batch's row transitions, shared by its use cases (app/services/batches.py) and its
+lifecycle (app/services/batch_lifecycle.py): lines become jobs, unfinished lines end, a
+batch that could not be created fails."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+
+from sqlalchemy import select, text, update
+
+from app.db import Database
+from app.errors import error_body, error_object, line_error
+from app.events import JobEvents, end_event
+from app.models import Batch, BatchStatus, JobStatus, Tenant
+from app.services.priority import PriorityBand
+
+ACTIVE = (BatchStatus.VALIDATING.value, BatchStatus.IN_PROGRESS.value, BatchStatus.CANCELLING.value)
+LINE_ERRORS = {
+    JobStatus.CANCELLED.value: ("batch_cancelled", "the batch was cancelled before this request finished"),
+    JobStatus.EXPIRED.value: (
+        "batch_expired",
+        "the batch's completion window ended before this request finished",
+    ),
+}
+
+_CREATE_JOBS = text(
+    """
+    INSERT INTO jobs (id, tenant_id, kind, status, priority, model, request, metadata, attempts, epoch,
+                      created_at, enqueued_at, batch_id, custom_id, line_no)
+    SELECT 'job_' || :suffix || '_' || lpad(fl.line_no::text, 6, '0'), :tenant, 'chat', 'queued',
+           coalesce((b->>'priority')::numeric::int, :default_priority), b->>'model', b, b->'metadata', 0, 0,
+           now(), NULL,
+           :batch, fl.custom_id, fl.line_no
+    FROM file_lines fl, LATERAL (SELECT (fl.raw::json)->'body' AS b) body
+    WHERE fl.file_id = :file
+    """
+)
+
+# A batch's progress: its lines by status, with their token sums.
+BATCH_COUNTS = text(
+    """
+    SELECT status, count(*) AS n,
+           coalesce(sum((usage->>'prompt_tokens')::bigint), 0) AS prompt,
+           coalesce(sum((usage->>'completion_tokens')::bigint), 0) AS completion,
+           coalesce(sum((usage->'prompt_tokens_details'->>'cached_tokens')::bigint), 0) AS cached
+    FROM jobs WHERE batch_id = :batch GROUP BY status
+    """
+)
+
+
+# The same figures for a page of batches at once, and each batch's model (its first line's).
+
+
+def materialize(db: Database, batch_id: str) -> bool:
+    """Turn a `validating` batch's input lines into its jobs (one INSERT ... SELECT) and
+    move it to `in_progress`. Idempotent: a batch no longer validating (done already, or
+    cancelled meanwhile) is left as it is. Returns whether this call did it."""
+    with db.session() as s:
+        batch = s.scalar(select(Batch).where(Batch.id == batch_id).with_for_update())
+        if batch is None or batch.status != BatchStatus.VALIDATING.value:
+            return False
+        tenant = s.get(Tenant, batch.tenant_id)
+        band = PriorityBand(tenant.priority_min, tenant.priority_max) if tenant else PriorityBand()
+        s.execute(
+            _CREATE_JOBS,
+            {
+                "suffix": batch.id.removeprefix("batch_"),
+                "tenant": batch.tenant_id,
+                "batch": batch.id,
+                "file": batch.input_file_id,
+                "default_priority": band.default,
+            },
+        )
+        batch.status = BatchStatus.IN_PROGRESS.value
+        batch.in_progress_at = datetime.now(UTC)
+    return True
+
+
+def fail_validating(db: Database, batch_id: str) -> None:
+    """End a batch whose lines could not be turned into jobs (the caller got an error)."""
+    error = line_error("batch_not_created", "the batch's requests could not be created")
+    with db.session() as s:
+        s.execute(
+            update(Batch)
+            .where(Batch.id == batch_id, Batch.status == BatchStatus.VALIDATING.value)
+            .values(
+                status=BatchStatus.FAILED.value,
+                failed_at=datetime.now(UTC),
+                errors={"object": "list", "data": [error]},
+            )
+        )
+
+
+def tell_ended(events: JobEvents, ended: list[tuple[str, int, str]], status: JobStatus) -> None:
+    """Abort the lines that were running in the engine, and end every line's event log."""
+    code, message = LINE_ERRORS[status.value]
+    error = error_object(message, "invalid_request_error", code=code)
+    events.request_cancels([job_id for job_id, _, before in ended if before == JobStatus.RUNNING.value])
+    events.append_ends([(job_id, end_event(epoch, status.value, error)) for job_id, epoch, _ in ended])
+
+
+def end_lines(db: Database, batch_id: str, status: JobStatus) -> list[tuple[str, int, str]]:
+    """End every unfinished line of a batch as `status` (cancelled or expired). Running
+    lines get a new epoch, so the worker's late write is refused. Returns (id, epoch, status
+    before) of each line ended."""
+    code, message = LINE_ERRORS[status.value]
+    error = error_body(message, "invalid_request_error", code=code)
+    stamp = "cancelled_at" if status == JobStatus.CANCELLED else "expired_at"
+    with db.session() as s:
+        rows = s.execute(
+            text(
+                f"""
+                WITH targets AS (
+                  SELECT id, status FROM jobs
+                  WHERE batch_id = :batch AND status IN ('queued', 'running') FOR UPDATE)
+                UPDATE jobs SET status = :status, {stamp} = now(), epoch = jobs.epoch + 1,
+                       error = CAST(:error AS json), lease_owner = NULL, lease_expires_at = NULL
+                FROM targets WHERE jobs.id = targets.id
+                RETURNING jobs.id, jobs.epoch, targets.status
+                """  # noqa: S608 - `stamp` is one of two column names
+            ),
+            {"batch": batch_id, "status": status.value, "error": json.dumps(error)},
+        ).all()
+    return [(r[0], r[1], r[2]) for r in rows]

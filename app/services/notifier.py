@@ -1,0 +1,150 @@
+"""One shared pub/sub connection per process (`Notifier`): live events wake the watchers of
+a job's log, so an idle subscriber holds no Redis connection and, under gevent, no thread."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from redis import Redis
+from redis.exceptions import RedisError
+
+from app.events import is_end_notification, job_channel
+from app.services.feeds import JobFeed
+
+log = logging.getLogger("llmq.stream")
+
+
+class Waiter:
+    def __init__(self, feed: JobFeed) -> None:
+        self._event = threading.Event()
+        self.ended = False
+        self.feed = feed  # shared by every watcher of the job in this process
+
+    def notify(self, final: bool) -> None:
+        self.ended = self.ended or final
+        self._event.set()
+
+    def wait(self, timeout: float) -> bool:
+        fired = self._event.wait(timeout)
+        self._event.clear()
+        return fired
+
+
+class Notifier:
+    """One pub/sub connection for the whole process. Channels are subscribed while someone
+    watches them; a watcher is woken on every append to its job's log."""
+
+    def __init__(self, redis: Redis[bytes], *, poll_seconds: float = 0.05) -> None:
+        self._redis = redis
+        self._poll = poll_seconds
+        self._lock = threading.Lock()
+        self._waiters: dict[str, set[Waiter]] = {}
+        self._pending: list[tuple[str, str]] = []  # ("sub" | "unsub", channel)
+        self._confirmed: dict[str, threading.Event] = {}
+        # Notifications seen per channel: a job's feed reads Redis again only when it moved.
+        self._versions: dict[str, int] = {}
+        self._feeds: dict[str, JobFeed] = {}
+        self._thread: threading.Thread | None = None
+
+    def _ensure_started(self) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="llmq-notifier", daemon=True)
+                self._thread.start()
+
+    @contextmanager
+    def watch(self, job_id: str, timeout: float = 5.0) -> Iterator[Waiter]:
+        """Subscribed (confirmed by Redis) before the block starts, so nothing appended
+        after the caller's next read can be missed."""
+        self._ensure_started()
+        channel = job_channel(job_id)
+        with self._lock:
+            first = channel not in self._waiters
+            feed = self._feeds.get(channel)
+            if feed is None:
+                feed = self._feeds[channel] = JobFeed(
+                    self._redis, job_id, lambda: self._versions.get(channel, 0)
+                )
+            waiter = Waiter(feed)
+            self._waiters.setdefault(channel, set()).add(waiter)
+            confirmed = self._confirmed.setdefault(channel, threading.Event())
+            if first:
+                self._pending.append(("sub", channel))
+        confirmed.wait(timeout)
+        try:
+            yield waiter
+        finally:
+            with self._lock:
+                watchers = self._waiters.get(channel)
+                if watchers is not None:
+                    watchers.discard(waiter)
+                    if not watchers:
+                        del self._waiters[channel]
+                        self._confirmed.pop(channel, None)
+                        self._versions.pop(channel, None)
+                        self._feeds.pop(channel, None)
+                        self._pending.append(("unsub", channel))
+
+    def _loop(self) -> None:
+        while True:
+            pubsub = self._redis.pubsub()
+            try:
+                with self._lock:
+                    channels = list(self._waiters)
+                    self._pending.clear()
+                if channels:
+                    pubsub.subscribe(*channels)
+                self._wake_all()  # whatever happened while disconnected, look again
+                while True:
+                    self._apply_pending(pubsub)
+                    message = pubsub.get_message(timeout=self._poll)
+                    if message is not None:
+                        self._dispatch(message)
+            except RedisError as exc:
+                log.warning("notifier reconnecting", extra={"error": type(exc).__name__})
+                self._wake_all()
+                time.sleep(0.5)
+            finally:
+                pubsub.close()
+
+    def _apply_pending(self, pubsub: Any) -> None:
+        with self._lock:
+            ops, self._pending = self._pending, []
+        for op, channel in ops:
+            if op == "sub":
+                pubsub.subscribe(channel)
+            else:
+                pubsub.unsubscribe(channel)
+
+    def _dispatch(self, message: dict[str, Any]) -> None:
+        channel = message["channel"].decode() if isinstance(message["channel"], bytes) else message["channel"]
+        kind = message["type"]
+        with self._lock:
+            if kind == "subscribe":
+                confirmed = self._confirmed.get(channel)
+                if confirmed is not None:
+                    confirmed.set()
+                return
+            if kind != "message":
+                return
+            # Before anyone wakes, so a woken subscriber's feed sees the log moved.
+            self._versions[channel] = self._versions.get(channel, 0) + 1
+            waiters = list(self._waiters.get(channel, ()))
+        final = is_end_notification(message["data"])
+        for waiter in waiters:
+            waiter.notify(final)
+
+    def _wake_all(self) -> None:
+        with self._lock:
+            waiters = [w for ws in self._waiters.values() for w in ws]
+            for channel in self._waiters:
+                self._versions[channel] = self._versions.get(channel, 0) + 1
+            for confirmed in self._confirmed.values():
+                confirmed.set()
+        for waiter in waiters:
+            waiter.notify(False)

@@ -1,0 +1,32 @@
+"""Loading a tenant's own row, or 404: another tenant's row is as absent as a missing one."""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from app.errors import NotFound
+from app.models import Batch, File, Job
+
+Owned = TypeVar("Owned", Job, Batch, File)
+
+# OpenAI's wording for each kind, and the parameter that named it.
+_MISSING: dict[type, tuple[str, str]] = {
+    Job: ("No job found with id '{}'", "job_id"),
+    Batch: ("No such Batch object: {}", "batch_id"),
+    File: ("No such File object: {}", "file_id"),
+}
+
+
+def load_owned(
+    s: Session, model: type[Owned], row_id: str, tenant_id: str, *, param: str | None = None
+) -> Owned:
+    """Raises NotFound (naming `param`, by default the kind's id) when `tenant_id` has no
+    such row."""
+    row = s.scalar(select(model).where(model.id == row_id, model.tenant_id == tenant_id))
+    if row is None:
+        message, default_param = _MISSING[model]
+        raise NotFound(message.format(row_id), param=param or default_param)
+    return row

@@ -1,0 +1,34 @@
+"""SSE framing: how a job's events, errors and keep-alives are written on the stream."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from app.errors import error_object
+from app.events import EventId
+
+HEARTBEAT = ": keep-alive\n\n"
+DONE = "data: [DONE]\n\n"
+
+
+def frame(data: Mapping[str, Any], event_id: str) -> str:
+    return f"id: {event_id}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+def revoked() -> Iterator[str]:
+    error = error_object("the API key was revoked", "authentication_error", code="invalid_api_key")
+    yield f"data: {json.dumps({'error': error})}\n\n"
+    yield DONE
+
+
+def restarted(eid: EventId) -> Iterator[str]:
+    error = error_object(
+        "the job was restarted after a worker failure; reconnect without Last-Event-ID "
+        "to receive the new attempt from its start",
+        "stream_restarted",
+        code="stream_restarted",
+    )
+    yield f"id: {eid}\ndata: {json.dumps({'error': error})}\n\n"
+    yield DONE

@@ -1,0 +1,42 @@
+"""The one periodic thread: a failed round is logged and the next round still runs."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from app.periodic import Periodic
+from tests.unit.test_runner import wait_until
+
+
+def test_a_failed_round_is_logged_and_the_thread_goes_on(caplog: pytest.LogCaptureFixture) -> None:
+    rounds: list[int] = []
+
+    def tick() -> None:
+        rounds.append(len(rounds))
+        if len(rounds) == 1:
+            raise RuntimeError("Redis away")
+
+    periodic = Periodic("llmq-test", 0.01, tick, log=logging.getLogger("llmq.test"), at_start=True)
+    with caplog.at_level(logging.WARNING, logger="llmq.test"):
+        periodic.start()
+        try:
+            wait_until(lambda: len(rounds) >= 3)
+        finally:
+            periodic.stop()
+    assert periodic.started
+    assert [r.getMessage() for r in caplog.records] == ["llmq-test failed"]
+    assert caplog.records[0].error == "RuntimeError: Redis away"  # type: ignore[attr-defined]
+
+
+def test_it_stops_and_runs_nothing_before_it_starts() -> None:
+    rounds: list[int] = []
+    periodic = Periodic("llmq-test", 0.01, lambda: rounds.append(1), log=logging.getLogger("llmq.test"))
+    assert not periodic.started and rounds == []
+    periodic.start()
+    wait_until(lambda: rounds)
+    periodic.stop()
+    settled = len(rounds)
+    wait_until(lambda: not periodic._thread.is_alive())
+    assert len(rounds) == settled
