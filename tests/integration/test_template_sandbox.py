@@ -48,18 +48,29 @@ def test_kwargs_render_in_the_sandbox_like_in_process(tiny_model: Path, sandbox:
     )
 
 
+def sandbox_children() -> set[int]:
+    """This process's template-sandbox children (the suite has other children too)."""
+    found = set()
+    for child in psutil.Process().children():
+        try:
+            if "template_sandbox" in " ".join(child.cmdline()):
+                found.add(child.pid)
+        except psutil.Error:
+            continue
+    return found
+
+
 def test_an_overrun_is_killed_and_the_child_replaced(tiny_model: Path, sandbox: TemplateSandbox) -> None:
     renderer = ChatRenderer.load(str(tiny_model), sandbox=sandbox, custom_templates=True)
-    others = {p.pid for p in psutil.Process().children()}  # the suite's other processes
     renderer.render(req(chat_template_kwargs={"warm": True}))  # the child is up
-    before = {p.pid for p in psutil.Process().children()} - others
+    before = sandbox_children()
     assert before
     started = time.monotonic()
     with pytest.raises(InvalidRequest) as exc:
         renderer.render(req(chat_template=LOOP))
     assert time.monotonic() - started < 3
     assert exc.value.param == "chat_template" and "within 1 s" in exc.value.message
-    assert not before & {p.pid for p in psutil.Process().children()}  # killed and reaped
+    assert not before & sandbox_children()  # killed and reaped
     assert renderer.render(req(chat_template_kwargs={"again": 1}))  # a fresh child serves
 
 
