@@ -106,8 +106,8 @@ def prompt_counter(settings: Settings) -> tuple[Callable[[ChatCompletionV2Reques
     folder = Path(settings.model) if settings.model else None
     if not settings.api_counts_prompt_tokens or folder is None or not (folder / "config.json").is_file():
         return None, None
-    from app.services.prompts import ChatRenderer
-    from app.services.tools import plan_tools
+    from app.domain.prompts import ChatRenderer
+    from app.domain.tools import plan_tools
 
     # gevent workers: a render with user input must never run in this process (it would
     # block every greenlet); the sandbox children render it under the time limit.

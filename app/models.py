@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from datetime import datetime
-from enum import StrEnum
 from typing import Any
 
 from sqlalchemy import (
@@ -24,6 +23,8 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from app.domain.status import JobKind, JobStatus
+
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
     "uq": "uq_%(table_name)s_%(column_0_name)s",
@@ -36,27 +37,6 @@ NAMING_CONVENTION = {
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
     type_annotation_map = {dict[str, Any]: JSONB, datetime: DateTime(timezone=True)}
-
-
-class JobStatus(StrEnum):
-    QUEUED = "queued"
-    RUNNING = "running"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-    EXPIRED = "expired"
-
-    @property
-    def terminal(self) -> bool:
-        return self not in (JobStatus.QUEUED, JobStatus.RUNNING)
-
-
-TERMINAL_STATUSES = tuple(s.value for s in JobStatus if s.terminal)
-
-
-class JobKind(StrEnum):
-    CHAT = "chat"
-    BENCH = "bench"
 
 
 class Tenant(Base):
@@ -182,11 +162,6 @@ class Job(Base):
     line_no: Mapped[int | None] = mapped_column(Integer)
 
 
-class FilePurpose(StrEnum):
-    BATCH = "batch"
-    BATCH_OUTPUT = "batch_output"
-
-
 class File(Base):
     """An uploaded input file (its lines in `file_lines`), or a batch's output or error file,
     whose content is generated from the batch's job rows when read."""
@@ -215,17 +190,6 @@ class FileLine(Base):
     line_no: Mapped[int] = mapped_column(Integer, primary_key=True)
     custom_id: Mapped[str] = mapped_column(Text)
     raw: Mapped[str] = mapped_column(Text)
-
-
-class BatchStatus(StrEnum):
-    VALIDATING = "validating"
-    FAILED = "failed"
-    IN_PROGRESS = "in_progress"
-    FINALIZING = "finalizing"
-    COMPLETED = "completed"
-    EXPIRED = "expired"
-    CANCELLING = "cancelling"
-    CANCELLED = "cancelled"
 
 
 class Batch(Base):

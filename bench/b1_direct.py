@@ -11,8 +11,8 @@ import asyncio
 import json
 import time
 
+from app.domain.prompts import ChatRenderer
 from app.schemas.chat import ChatCompletionV2Request
-from app.services.prompts import ChatRenderer
 from app.settings import Settings
 
 

@@ -103,7 +103,7 @@ class ByteRenderer:
     """Prompt ids for `InstantEngine`: the UTF-8 bytes of the messages' text."""
 
     def render(self, req: Any, plan: Any = None) -> list[int]:
-        from app.services.prompts import message_text
+        from app.domain.prompts import message_text
 
         text = "\n".join(message_text(getattr(m, "content", None)) or "" for m in req.messages)
         return list(text.encode("utf-8"))

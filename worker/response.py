@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.completions import CompletionDict, UsageDict, completion
-from app.services.tools import ToolPlan, parse_constrained
+from app.domain.tools import ToolPlan, parse_constrained
 from worker.engine import ChoiceDelta, TokenLogprob
 from worker.store import Claim
 

@@ -17,10 +17,10 @@ from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError, SQLAlch
 
 from app.completions import chunk_header
 from app.completions import usage as completion_usage
+from app.domain.status import JobStatus
+from app.domain.tools import call_id
 from app.errors import InvalidRequest, LlmqError, error_body
-from app.models import JobStatus
 from app.services.contract import ConstraintChecker
-from app.services.tools import call_id
 from worker.deltas import JobStream, StreamShape
 from worker.engine import Engine, EngineDead, EngineUpdate, PromptTooLong, RequestRejected
 from worker.loop import LoopThread

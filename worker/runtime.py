@@ -75,7 +75,7 @@ def build_engine(settings: Settings) -> tuple[Engine, Renderer]:
             context=settings.max_model_len or 4096, delay=settings.instant_token_seconds
         ), ByteRenderer()
     from app.container import template_sandbox
-    from app.services.prompts import ChatRenderer
+    from app.domain.prompts import ChatRenderer
     from worker.vllm_engine import VllmEngine
 
     if not settings.model:

@@ -15,7 +15,8 @@ from typing import Any
 from sqlalchemy import func, select, text, update
 
 from app.db import Database
-from app.models import Job, JobStatus
+from app.domain.status import JobStatus
+from app.models import Job
 
 _RUNNING = JobStatus.RUNNING.value
 

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from redis.exceptions import RedisError
 
 from app.db import Database
+from app.domain.status import JobStatus
 from app.events import JobEvents, end_event
-from app.models import JobStatus
 from app.queue import JobQueue
 from worker.leader import LeaseLock
 from worker.store import Expired, JobStore

@@ -7,13 +7,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from app.models import JobKind
+from app.domain.budget import completion_budget
+from app.domain.prompts import message_text
+from app.domain.status import JobKind
+from app.domain.structured import Constraint, constraint_of
+from app.domain.tools import ToolPlan, plan_tools
 from app.schemas.chat import AssistantMessage, ChatCompletionV2Request
-from app.services.contract import completion_budget
 from app.services.priority import clamp
-from app.services.prompts import message_text
-from app.services.structured import Constraint, constraint_of
-from app.services.tools import ToolPlan, plan_tools
 from worker.engine import GenerationSpec
 
 

@@ -9,7 +9,7 @@ from flask import Blueprint, Response, jsonify
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from app.models import JobStatus
+from app.domain.status import JobStatus
 from app.schemas.batches import (
     BatchCreate,
     BatchInputLine,

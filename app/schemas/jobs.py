@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from app.models import JobStatus
+from app.domain.status import JobStatus
 from app.schemas.base import WireModel
 
 

@@ -15,9 +15,10 @@ from typing import Any
 from sqlalchemy import select, text, update
 
 from app.db import Database
+from app.domain.status import BatchStatus, FilePurpose, JobStatus
 from app.events import JobEvents
 from app.ids import new_id
-from app.models import Batch, BatchStatus, File, FilePurpose, JobStatus
+from app.models import Batch, File
 from app.queue import JobQueue
 from app.services.batch_output import output_lines
 from app.services.batch_transitions import BATCH_COUNTS, end_lines, materialize, tell_ended

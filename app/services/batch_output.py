@@ -10,8 +10,9 @@ from typing import Any
 from sqlalchemy import select
 
 from app.db import Database
+from app.domain.status import JobStatus
 from app.errors import error_body, line_error
-from app.models import Job, JobStatus
+from app.models import Job
 from app.schemas.batches import BatchOutputLine, OutputError, OutputResponse
 from app.services.batch_transitions import LINE_ERRORS
 

@@ -10,9 +10,10 @@ from datetime import UTC, datetime
 from sqlalchemy import select, text, update
 
 from app.db import Database
+from app.domain.status import BatchStatus, JobStatus
 from app.errors import error_body, error_object, line_error
 from app.events import JobEvents, end_event
-from app.models import Batch, BatchStatus, JobStatus, Tenant
+from app.models import Batch, Tenant
 from app.services.priority import PriorityBand
 
 ACTIVE = (BatchStatus.VALIDATING.value, BatchStatus.IN_PROGRESS.value, BatchStatus.CANCELLING.value)

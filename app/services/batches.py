@@ -14,10 +14,11 @@ from sqlalchemy import select, text, update
 from sqlalchemy.exc import SQLAlchemyError
 
 from app.db import Database
+from app.domain.status import BatchStatus, FilePurpose, JobStatus
 from app.errors import Conflict, InvalidRequest
 from app.events import JobEvents
 from app.ids import new_id
-from app.models import Batch, BatchStatus, File, FilePurpose, Job, JobStatus
+from app.models import Batch, File, Job
 from app.schemas.base import unix_time
 from app.schemas.batches import (
     BATCH_ENDPOINTS,

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from app.domain.status import JobKind, JobStatus
 from app.errors import Conflict, EngineError, InvalidRequest, LlmqError
-from app.models import JobKind, JobStatus
 from app.schemas.jobs import JobObject
 from app.services.idempotency import IdempotencyKey
 from app.services.jobs import JobService

@@ -13,11 +13,12 @@ import re
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from app.domain.budget import completion_budget
+from app.domain.structured import Constraint, ConstraintLimits, check_limits, constraint_of
+from app.domain.tools import plan_tools
 from app.errors import InvalidRequest, NotFound, Unsupported
 from app.schemas.chat import ChatCompletionV2Request, ImagePart, TextPart
 from app.services.addresses import Resolver, system_resolver, url_refusal
-from app.services.structured import Constraint, ConstraintLimits, check_limits, constraint_of
-from app.services.tools import plan_tools
 from app.settings import Settings
 
 # Fields the engine path implements (some with conditions, checked in `check`).
@@ -55,14 +56,14 @@ HONOURED: frozenset[str] = frozenset(
         "documents",
         "chat_template",
         "chat_template_kwargs",
-        # Structured outputs (see app/services/structured.py).
+        # Structured outputs (see app/domain/structured.py).
         "guided_json",
         "guided_regex",
         "guided_choice",
         "guided_grammar",
         "guided_decoding_backend",
         "response_format",
-        # Tools (see app/services/tools.py).
+        # Tools (see app/domain/tools.py).
         "tools",
         "tool_choice",
         "parallel_tool_calls",
@@ -379,30 +380,6 @@ def _template_refused(param: str) -> Unsupported:
         "off): user templates have been a sandbox-escape and resource-bomb route",
         param=param,
     )
-
-
-def completion_budget(req: ChatCompletionV2Request, prompt_tokens: int, max_model_len: int) -> int:
-    """The completion tokens a prompt of `prompt_tokens` leaves: what the request asked for,
-    else the rest of the context. The API checks with its own count, the worker with the
-    rendered prompt. Raises InvalidRequest (`context_length_exceeded`) when it does not fit."""
-    room = max_model_len - prompt_tokens
-    if room < 1:
-        raise InvalidRequest(
-            f"This model's maximum context length is {max_model_len} tokens; the messages take "
-            f"{prompt_tokens} tokens, leaving no room for the completion",
-            param="messages",
-            code="context_length_exceeded",
-        )
-    asked = req.completion_limit()
-    if asked is not None and asked > room:
-        field = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
-        raise InvalidRequest(
-            f"This model's maximum context length is {max_model_len} tokens; the messages take "
-            f"{prompt_tokens} and `{field}` asks for {asked} more",
-            param=field,
-            code="context_length_exceeded",
-        )
-    return asked if asked is not None else room
 
 
 def unsafe_url_reason(url: str, resolve: Resolver | None = None) -> str | None:

@@ -18,9 +18,10 @@ from pydantic import ValidationError
 from sqlalchemy import delete, func, select
 
 from app.db import Database
+from app.domain.status import BatchStatus, FilePurpose
 from app.errors import Conflict, InvalidRequest, LlmqError, PayloadTooLarge
 from app.ids import new_id
-from app.models import Batch, BatchStatus, File, FileLine, FilePurpose
+from app.models import Batch, File, FileLine
 from app.schemas.base import unix_time
 from app.schemas.batches import (
     BATCH_ENDPOINTS,

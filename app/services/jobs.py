@@ -9,10 +9,11 @@ from typing import Any
 from sqlalchemy import insert, select, update
 
 from app.db import Database
+from app.domain.status import JobKind, JobStatus
 from app.errors import Conflict, InvalidRequest
 from app.events import JobEvents, end_event
 from app.ids import new_id
-from app.models import Job, JobKind, JobStatus
+from app.models import Job
 from app.queue import JobQueue
 from app.schemas.base import unix_time
 from app.schemas.chat import ChatCompletionV2Request

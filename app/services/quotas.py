@@ -8,8 +8,9 @@ from __future__ import annotations
 from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
+from app.domain.status import BatchStatus, JobStatus
 from app.errors import RateLimited
-from app.models import Batch, BatchStatus, Job, JobStatus
+from app.models import Batch, Job
 
 _ACTIVE = (JobStatus.QUEUED.value, JobStatus.RUNNING.value)
 _LOCK = text("SELECT pg_advisory_xact_lock(hashtextextended(:key, 0))")

@@ -24,8 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from app.domain.structured import Constraint, Lru
 from app.errors import InvalidRequest
-from app.services.structured import Constraint, Lru
 from app.settings import Settings
 
 log = logging.getLogger("llmq.sandbox")

@@ -24,6 +24,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from app.completions import usage_chunk
 from app.db import Database
+from app.domain.status import JobStatus
 from app.errors import Unauthorized, error_object
 from app.events import (
     END_EVENT,
@@ -32,7 +33,7 @@ from app.events import (
     job_stream,
     parse_event_id,
 )
-from app.models import Job, JobStatus
+from app.models import Job
 from app.schemas.completion import RecordedStream
 from app.services.feeds import FeedRead
 from app.services.keys import KeyService, Principal

@@ -12,9 +12,9 @@ from typing import Any
 import psutil
 import pytest
 
+from app.domain.prompts import ChatRenderer
 from app.errors import InvalidRequest
 from app.schemas.chat import ChatCompletionV2Request
-from app.services.prompts import ChatRenderer
 from app.services.template_sandbox import TemplateSandbox
 from tests.helpers import Stack, run
 

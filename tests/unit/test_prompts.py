@@ -4,10 +4,10 @@ from typing import Any
 
 import pytest
 
+from app.domain.prompts import ChatRenderer, to_template_messages
+from app.domain.tools import plan_tools
 from app.errors import InvalidRequest
 from app.schemas.chat import ChatCompletionV2Request
-from app.services.prompts import ChatRenderer, to_template_messages
-from app.services.tools import plan_tools
 
 
 class RecordingTokenizer:

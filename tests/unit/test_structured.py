@@ -10,12 +10,12 @@ import time
 
 import pytest
 
+from app.domain.structured import Constraint, ascii_classes, ascii_schema_patterns, constraint
+from app.domain.tools import plan_tools
 from app.errors import InvalidRequest
 from app.schemas.chat import ChatCompletionV2Request
 from app.services.contract import RequestPolicy
 from app.services.sandbox import ConstraintSandbox
-from app.services.structured import Constraint, ascii_classes, ascii_schema_patterns, constraint
-from app.services.tools import plan_tools
 from app.settings import Settings
 from tests.bombs import chained_grammar, ref_chain_schema
 
@@ -361,7 +361,7 @@ def test_policy_compiles_in_the_sandbox_before_queuing(sandbox: ConstraintSandbo
 
 
 def test_a_shared_schema_is_rewritten_and_bounded_once_per_process() -> None:
-    from app.services.structured import ConstraintLimits, check_limits, constraint_of
+    from app.domain.structured import ConstraintLimits, check_limits, constraint_of
 
     props = {f"f{i}": {"type": "string", "pattern": r"^\d+$"} for i in range(300)}
     lines = [req(guided_json={"type": "object", "properties": props}) for _ in range(2)]

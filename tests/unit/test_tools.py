@@ -3,8 +3,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from app.domain.tools import call_id, parse_constrained, plan_tools
 from app.schemas.chat import ChatCompletionV2Request
-from app.services.tools import call_id, parse_constrained, plan_tools
 from worker.engine import ChoiceDelta
 from worker.response import ChoiceState, finalize
 

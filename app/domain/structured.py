@@ -21,9 +21,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+from app.domain.tools import ToolPlan
 from app.errors import InvalidRequest
 from app.schemas.chat import ChatCompletionV2Request, ResponseFormatJsonObject, ResponseFormatJsonSchema
-from app.services.tools import ToolPlan
 from app.settings import Settings
 
 

@@ -15,10 +15,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from app.domain.tools import ToolPlan
 from app.errors import InvalidRequest
 from app.schemas.chat import AssistantMessage, ChatCompletionV2Request, FunctionMessage, TextPart, ToolMessage
 from app.services.template_sandbox import SandboxJob, TemplateSandbox
-from app.services.tools import ToolPlan
 
 __all__ = ["ChatRenderer", "TemplateCall", "TemplateSandbox", "message_text", "template_call"]
 
