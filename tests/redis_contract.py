@@ -165,22 +165,22 @@ def test_markers_say_which_jobs_have_a_live_message(r: Redis[bytes]) -> None:
 
 
 def test_stale_deliveries_name_their_jobs_and_can_be_dropped(r: Redis[bytes]) -> None:
-    queue = Liveness(r, marker_ttl_seconds=60)
+    liveness = Liveness(r, marker_ttl_seconds=60)
     now = time.time()
     r.hset(UNACKED, "old", _unacked_message("llmq.run_jobs", [["job_x", "job_y"]]))
     r.hset(UNACKED, "new", _unacked_message("llmq.run_job", ["job_z"]))
     r.hset(UNACKED, "junk", b"not json")
     r.zadd(UNACKED_INDEX, {"old": now - 120, "new": now, "junk": now - 120})
-    assert queue.stale_deliveries(60) == {"old": ["job_x", "job_y"]}
-    assert queue.delivered_job_ids() == {"job_x", "job_y", "job_z"}
-    queue.drop_deliveries(["old"])
-    assert queue.stale_deliveries(60) == {}
+    assert liveness.stale_deliveries(60) == {"old": ["job_x", "job_y"]}
+    assert liveness.delivered_job_ids() == {"job_x", "job_y", "job_z"}
+    liveness.drop_deliveries(["old"])
+    assert liveness.stale_deliveries(60) == {}
     assert r.hexists(UNACKED, "new")
 
 
 def test_queue_depth_counts_every_priority_list(r: Redis[bytes]) -> None:
-    queue = Liveness(r, marker_ttl_seconds=60)
+    liveness = Liveness(r, marker_ttl_seconds=60)
     r.rpush("llmq.m", b"1", b"2")
     r.rpush("llmq.m:6", b"3")
     r.rpush("llmq.other", b"4")
-    assert queue.depth("m") == 3
+    assert liveness.depth("m") == 3
