@@ -12,6 +12,7 @@ from redis import Redis
 
 from app.db import Database
 from app.events import JobEvents
+from app.liveness import Liveness
 from app.queue import JobQueue, create_producer
 from app.schemas.chat import ChatCompletionV2Request
 from app.services.batches import BatchService
@@ -40,6 +41,7 @@ class Services:
     db: Database
     redis: Redis[bytes]
     queue: JobQueue
+    liveness: Liveness
     events: JobEvents
     keys: KeyService
     jobs: JobService
@@ -155,7 +157,8 @@ def build_services(settings: Settings, *, db_pool_size: int | None = None) -> Se
         pool_timeout=settings.db_pool_timeout_seconds,
     )
     redis = redis_client(settings.require_redis_url())
-    queue = JobQueue(create_producer(settings), redis, marker_ttl_seconds=settings.visibility_timeout_seconds)
+    liveness = Liveness(redis, marker_ttl_seconds=settings.visibility_timeout_seconds, db=db)
+    queue = JobQueue(create_producer(settings), liveness)
     events = JobEvents(redis)
     served = frozenset({settings.model_name})
     keys = KeyService(db)
@@ -193,6 +196,7 @@ def build_services(settings: Settings, *, db_pool_size: int | None = None) -> Se
         db=db,
         redis=redis,
         queue=queue,
+        liveness=liveness,
         events=events,
         keys=keys,
         jobs=jobs,
@@ -207,7 +211,7 @@ def build_services(settings: Settings, *, db_pool_size: int | None = None) -> Se
             max_active_lines_per_tenant=settings.max_active_batch_lines_per_tenant,
         ),
         health=HealthService(db, redis, served),
-        metrics=MetricsService(db, redis, queue, served),
+        metrics=MetricsService(db, redis, liveness, served),
         limiter=RateLimiter(
             redis, per_minute=settings.rate_limit_per_minute, burst=settings.rate_limit_burst
         ),

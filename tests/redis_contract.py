@@ -17,7 +17,8 @@ from redis import Redis
 
 from app.errors import Conflict, RateLimited
 from app.events import JobEvents, end_event, job_channel, job_stream
-from app.queue import SENT_MARKER, UNACKED, UNACKED_INDEX, JobQueue
+from app.liveness import SENT_MARKER, UNACKED, UNACKED_INDEX, Liveness
+from app.queue import JobQueue
 from app.services.idempotency import IdempotencyKey, IdempotencyLocks
 from app.services.limits import RateLimiter
 from worker.leader import LeaseLock
@@ -152,33 +153,34 @@ def test_wait_for_end_wakes_on_the_end_notification(r: Redis[bytes]) -> None:
 
 def test_markers_say_which_jobs_have_a_live_message(r: Redis[bytes]) -> None:
     celery = RecordingCelery()
-    queue = JobQueue(celery, r, marker_ttl_seconds=60)  # type: ignore[arg-type]
+    liveness = Liveness(r, marker_ttl_seconds=60)
+    queue = JobQueue(celery, liveness)  # type: ignore[arg-type]
     queue.enqueue("job_a", "m", 0)
     queue.enqueue_chunk(["job_b", "job_c"], "m", 0)
     assert [name for name, *_ in celery.sent] == ["llmq.run_job", "llmq.run_jobs"]
-    assert queue.missing_markers(["job_a", "job_b", "job_c", "job_d"]) == ["job_d"]
+    assert liveness.missing_markers(["job_a", "job_b", "job_c", "job_d"]) == ["job_d"]
     assert 0 < r.ttl(SENT_MARKER.format(job_id="job_a")) <= 60
-    queue.forget("job_a", "job_b")
-    assert queue.missing_markers(["job_a", "job_b", "job_c"]) == ["job_a", "job_b"]
+    liveness.spent("job_a", "job_b")
+    assert liveness.missing_markers(["job_a", "job_b", "job_c"]) == ["job_a", "job_b"]
 
 
 def test_stale_deliveries_name_their_jobs_and_can_be_dropped(r: Redis[bytes]) -> None:
-    queue = JobQueue(RecordingCelery(), r, marker_ttl_seconds=60)  # type: ignore[arg-type]
+    liveness = Liveness(r, marker_ttl_seconds=60)
     now = time.time()
     r.hset(UNACKED, "old", _unacked_message("llmq.run_jobs", [["job_x", "job_y"]]))
     r.hset(UNACKED, "new", _unacked_message("llmq.run_job", ["job_z"]))
     r.hset(UNACKED, "junk", b"not json")
     r.zadd(UNACKED_INDEX, {"old": now - 120, "new": now, "junk": now - 120})
-    assert queue.stale_deliveries(60) == {"old": ["job_x", "job_y"]}
-    assert queue.delivered_job_ids() == {"job_x", "job_y", "job_z"}
-    queue.drop_deliveries(["old"])
-    assert queue.stale_deliveries(60) == {}
+    assert liveness.stale_deliveries(60) == {"old": ["job_x", "job_y"]}
+    assert liveness.delivered_job_ids() == {"job_x", "job_y", "job_z"}
+    liveness.drop_deliveries(["old"])
+    assert liveness.stale_deliveries(60) == {}
     assert r.hexists(UNACKED, "new")
 
 
 def test_queue_depth_counts_every_priority_list(r: Redis[bytes]) -> None:
-    queue = JobQueue(RecordingCelery(), r, marker_ttl_seconds=60)  # type: ignore[arg-type]
+    liveness = Liveness(r, marker_ttl_seconds=60)
     r.rpush("llmq.m", b"1", b"2")
     r.rpush("llmq.m:6", b"3")
     r.rpush("llmq.other", b"4")
-    assert queue.depth("m") == 3
+    assert liveness.depth("m") == 3

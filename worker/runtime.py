@@ -16,6 +16,7 @@ from typing import Any
 from app.container import redis_client
 from app.db import Database
 from app.events import JobEvents
+from app.liveness import Liveness
 from app.queue import JobQueue, create_producer
 from app.services.batch_lifecycle import BatchLifecycle
 from app.services.health import absent_workers, live_capacity
@@ -111,9 +112,10 @@ class WorkerRuntime:
         self.redis = redis_client(settings.require_redis_url())
         self.events = JobEvents(self.redis)
         self.store = JobStore(self.db)
-        self.queue = JobQueue(
-            create_producer(settings), self.redis, marker_ttl_seconds=settings.visibility_timeout_seconds
+        self.liveness = Liveness(
+            self.redis, marker_ttl_seconds=settings.visibility_timeout_seconds, db=self.db
         )
+        self.queue = JobQueue(create_producer(settings), self.liveness)
         self.loop = LoopThread()
         self.sampler = ResourceSampler(self._pids, find_power_sensor(self._pids))
         self.streams = StreamPublisher(self.redis)
@@ -141,6 +143,7 @@ class WorkerRuntime:
             self.db,
             self.store,
             self.queue,
+            self.liveness,
             self.events,
             max_attempts=settings.max_attempts,
             grace_seconds=settings.requeue_grace_seconds,

@@ -16,6 +16,7 @@ from sqlalchemy import func, select, text, update
 
 from app.db import Database
 from app.domain.status import JobStatus
+from app.liveness import set_enqueued
 from app.models import Job
 
 _RUNNING = JobStatus.RUNNING.value
@@ -246,45 +247,6 @@ class JobStore:
             rows = s.execute(sql, params).all()
         return [Expired(*r) for r in rows]
 
-    def stale_queued(self, grace_seconds: float, limit: int = 1000) -> list[tuple[Expired, bool]]:
-        """Single jobs with no message yet (`enqueued_at` null: released or re-queued), and
-        queued jobs whose message was last confirmed over `grace_seconds` ago; the flag
-        says which (True: never sent), the caller verifies the others' markers. Batch lines
-        without a message are the feeder's, not listed here."""
-        sql = text(
-            """
-            SELECT id, status, model, priority, batch_id, enqueued_at IS NULL FROM jobs
-            WHERE status = 'queued'
-              AND ((batch_id IS NULL AND enqueued_at IS NULL)
-                   OR enqueued_at < now() - make_interval(secs => :grace))
-            ORDER BY enqueued_at NULLS FIRST LIMIT :limit
-            """
-        )
-        with self._db.session() as s:
-            rows = s.execute(sql, {"grace": grace_seconds, "limit": limit}).all()
-        return [(Expired(*r[:5]), bool(r[5])) for r in rows]
-
-    def queued_among(self, job_ids: list[str]) -> set[str]:
-        if not job_ids:
-            return set()
-        with self._db.session() as s:
-            rows = s.scalars(select(Job.id).where(Job.id.in_(job_ids), Job.status == JobStatus.QUEUED.value))
-            return set(rows)
-
     def undispatch(self, job_ids: list[str]) -> None:
-        """Batch lines whose message was lost go back to the feeder."""
-        self._set_enqueued(job_ids, None)
-
-    def mark_enqueued(self, job_ids: list[str]) -> None:
-        self._set_enqueued(job_ids, func.now())
-
-    def _set_enqueued(self, job_ids: list[str], value: Any) -> None:
-        """`enqueued_at` of those of `job_ids` still queued (null: the message is owed)."""
-        if not job_ids:
-            return
-        with self._db.session() as s:
-            s.execute(
-                update(Job)
-                .where(Job.id.in_(job_ids), Job.status == JobStatus.QUEUED.value)
-                .values(enqueued_at=value)
-            )
+        """Batch lines given back unclaimed go back to the feeder (app/liveness.py, row 2)."""
+        set_enqueued(self._db, job_ids, None)

@@ -3,7 +3,8 @@
 Each round: running jobs whose lease expired, or whose lease owner is gone (its presence
 lapsed: killed, crashed), go back to the queue (or end `failed` when their attempts are
 spent, `cancelled` when a cancel was asked); queued jobs with no live message (never sent,
-released, or lost with a Redis restart) are sent again.
+released, or lost with a Redis restart) are sent again. What counts as a live message, and
+what each case gets, is app/liveness.py's table; this module keeps the loop and the lock.
 
 A gone owner is looked for every `presence_check_seconds`, between full rounds, so its jobs
 run again within seconds rather than after their leases. Should the owner be alive after
@@ -23,6 +24,15 @@ from redis.exceptions import RedisError
 from app.db import Database
 from app.domain.status import JobStatus
 from app.events import JobEvents, end_event
+from app.liveness import (
+    Liveness,
+    Observed,
+    Stale,
+    plan_resends,
+    plan_unclaimed,
+    sent_before,
+    vanish_candidates,
+)
 from app.queue import JobQueue
 from worker.leader import LeaseLock
 from worker.store import Expired, JobStore
@@ -46,6 +56,7 @@ class Sweeper:
         db: Database,
         store: JobStore,
         queue: JobQueue,
+        liveness: Liveness,
         events: JobEvents,
         *,
         max_attempts: int,
@@ -63,6 +74,7 @@ class Sweeper:
         self._db = db
         self._store = store
         self._queue = queue
+        self._liveness = liveness
         self._events = events
         self._max_attempts = max_attempts
         self._grace = grace_seconds
@@ -90,20 +102,18 @@ class Sweeper:
                 self._events.append_end(job.job_id, end_event(job.epoch, job.status, error))
                 log.warning("lease expired; job ended", extra={"job_id": job.job_id, "status": job.status})
             report.unclaimed = self._reclaim_unclaimed(requeued)
-            stale = self._store.stale_queued(self._grace)
-            to_check = [job.job_id for job, never_sent in stale if not never_sent]
-            missing = set(self._queue.missing_markers(to_check))
-            missing |= self._vanished([job for job, never_sent in stale if not never_sent], missing)
-            lost_lines = []
-            for job, never_sent in stale:
-                if job.batch_id is not None and job.job_id in missing:
-                    lost_lines.append(job.job_id)  # the feeder sends it again, in a chunk
-                elif never_sent or job.job_id in missing:
-                    self._queue.enqueue(job.job_id, job.model, job.priority)
-                    report.resent += 1
-            self._store.mark_enqueued([job.job_id for job, _ in stale if job.job_id not in lost_lines])
-            self._store.undispatch(lost_lines)
-            report.resent += len(lost_lines)
+            stale = self._liveness.stale_queued(self._grace)
+            plan = plan_resends(stale, self._observe(stale))
+            if plan.forget:
+                self._liveness.spent(*plan.forget)
+                log.warning(
+                    "messages lost in a worker's crash; sending again", extra={"jobs": len(plan.forget)}
+                )
+            for resend in plan.send:
+                self._queue.enqueue(resend.job_id, resend.model, resend.priority)
+            self._liveness.confirmed(plan.confirm)
+            self._liveness.handed_back(plan.hand_back)
+            report.resent += plan.resent
         if any(vars(report).values()):
             log.info("sweep", extra=vars(report))
         return report
@@ -130,40 +140,32 @@ class Sweeper:
         return released
 
     def _reclaim_unclaimed(self, requeued: set[str]) -> int:
-        """Deliveries older than the grace whose jobs are still queued: the worker that
-        took them died (or hung) before claiming. Their markers go, so they are sent again
-        below; a late claim by a hung worker loses to the fence. Deliveries of jobs just
-        re-queued for an expired lease go too (their job is sent again anyway), uncounted."""
-        deliveries = self._queue.stale_deliveries(self._grace)
+        """Row 8 of app/liveness.py's table: deliveries older than the grace whose jobs are
+        still queued. A late claim by a hung worker loses to the fence."""
+        deliveries = self._liveness.stale_deliveries(self._grace)
         if not deliveries:
             return 0
-        queued = self._store.queued_among([j for ids in deliveries.values() for j in ids])
-        tags = [tag for tag, ids in deliveries.items() if queued.intersection(ids)]
-        if not tags:
+        queued = self._liveness.queued_among([j for ids in deliveries.values() for j in ids])
+        plan = plan_unclaimed(deliveries, queued, requeued)
+        if not plan.tags:
             return 0
-        self._queue.drop_deliveries(tags)
-        self._queue.forget(*queued)
-        unclaimed = len(queued - requeued)
-        if unclaimed:
-            log.warning("messages taken but never claimed; sending again", extra={"jobs": unclaimed})
-        return unclaimed
+        self._liveness.drop_deliveries(plan.tags)
+        self._liveness.spent(*plan.forget)
+        if plan.count:
+            log.warning("messages taken but never claimed; sending again", extra={"jobs": plan.count})
+        return plan.count
 
-    def _vanished(self, candidates: list[Expired], missing: set[str]) -> set[str]:
-        """Jobs whose marker says "sent" but whose message is nowhere: their queue is empty
-        and no delivery names them (a worker took the message and died before recording
-        the delivery). A message taken this very moment may be counted too; the fence makes
-        the second copy harmless."""
-        rest = [job for job in candidates if job.job_id not in missing]
-        idle = {model for model in {job.model for job in rest} if self._queue.depth(model) == 0}
-        rest = [job for job in rest if job.model in idle]
-        if not rest:
-            return set()
-        held = self._queue.delivered_job_ids()
-        gone = {job.job_id for job in rest if job.job_id not in held}
-        if gone:
-            self._queue.forget(*gone)
-            log.warning("messages lost in a worker's crash; sending again", extra={"jobs": len(gone)})
-        return gone
+    def _observe(self, stale: list[Stale]) -> Observed:
+        """The facts `plan_resends` needs, read only as far as they are: markers of the jobs
+        sent before, then the depth of the queues of those whose marker remains, then the
+        deliveries, if any of those queues is empty. A message taken this very moment may
+        look vanished; the fence makes the second copy harmless."""
+        missing = set(self._liveness.missing_markers(sent_before(stale)))
+        rest = vanish_candidates(stale, missing)
+        idle = {model for model in {job.model for job in rest} if self._liveness.depth(model) == 0}
+        if not any(job.model in idle for job in rest):
+            return Observed(missing, idle)
+        return Observed(missing, idle, self._liveness.delivered_job_ids())
 
     def _loop(self) -> None:
         due = time.monotonic() + self._interval

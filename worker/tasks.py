@@ -16,8 +16,8 @@ def register_tasks(app: Celery) -> None:
             return rt.runner.run(job_id)
         finally:
             # Whatever happened, this message is spent: without its marker, a job left
-            # queued is sent again by the sweeper.
-            rt.queue.forget(job_id)
+            # queued is sent again by the sweeper (app/liveness.py, row 4).
+            rt.liveness.spent(job_id)
 
     @app.task(name=RUN_JOBS_TASK, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
     def run_jobs(job_ids: list[str]) -> int:
@@ -26,5 +26,5 @@ def register_tasks(app: Celery) -> None:
         try:
             statuses = rt.runner.run_many(job_ids)
         finally:
-            rt.queue.forget(*job_ids)
+            rt.liveness.spent(*job_ids)
         return sum(1 for s in statuses.values() if s is not None)

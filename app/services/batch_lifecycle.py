@@ -18,6 +18,7 @@ from app.db import Database
 from app.domain.status import BatchStatus, FilePurpose, JobStatus
 from app.events import JobEvents
 from app.ids import new_id
+from app.liveness import OUT, OWED_BY_TENANT, OWED_MODELS, TAKE_OWED
 from app.models import Batch, File
 from app.queue import JobQueue
 from app.services.batch_output import output_lines
@@ -27,30 +28,6 @@ from app.services.fair_share import FairShare
 log = logging.getLogger("llmq.batches")
 
 CAPACITY_TTL_SECONDS = 2.0
-
-_MODELS_WAITING = text(
-    "SELECT DISTINCT model FROM jobs WHERE status = 'queued' AND batch_id IS NOT NULL AND enqueued_at IS NULL"
-)
-_OUTSTANDING = text(
-    "SELECT count(*) FROM jobs WHERE model = :model AND batch_id IS NOT NULL "
-    "AND (status = 'running' OR (status = 'queued' AND enqueued_at IS NOT NULL))"
-)
-# Lines waiting per tenant: what the fair share divides the room among.
-_WAITING = text(
-    "SELECT tenant_id, count(*) AS n FROM jobs WHERE model = :model AND status = 'queued' "
-    "AND batch_id IS NOT NULL AND enqueued_at IS NULL GROUP BY tenant_id"
-)
-_TAKE = text(
-    """
-    UPDATE jobs SET enqueued_at = now()
-    WHERE id IN (
-      SELECT id FROM jobs
-      WHERE model = :model AND tenant_id = :tenant AND status = 'queued' AND batch_id IS NOT NULL
-        AND enqueued_at IS NULL
-      ORDER BY priority, batch_id, line_no LIMIT :n FOR UPDATE SKIP LOCKED)
-    RETURNING id, priority, batch_id, line_no
-    """
-)
 
 
 @dataclass
@@ -101,18 +78,18 @@ class BatchLifecycle:
         higher broker priority) never wait behind it."""
         report = FeedReport()
         with self._db.session() as s:
-            models = list(s.scalars(_MODELS_WAITING))
+            models = list(s.scalars(OWED_MODELS))
         for model in models:
             window = self.window(model)
             chunk = min(self._chunk, window)
             with self._db.session() as s:
-                room = window - int(s.scalar(_OUTSTANDING, {"model": model}) or 0)
+                room = window - int(s.scalar(OUT, {"model": model}) or 0)
                 if room < chunk:
                     continue
-                waiting = {r.tenant_id: int(r.n) for r in s.execute(_WAITING, {"model": model})}
+                waiting = {r.tenant_id: int(r.n) for r in s.execute(OWED_BY_TENANT, {"model": model})}
                 picks = self._share.pick(waiting, room)
                 taken = {
-                    tenant: iter(s.execute(_TAKE, {"model": model, "tenant": tenant, "n": n}).all())
+                    tenant: iter(s.execute(TAKE_OWED, {"model": model, "tenant": tenant, "n": n}).all())
                     for tenant, n in Counter(picks).items()
                 }
             # Interleaved as picked, so the first message already carries every tenant's lines.
@@ -120,7 +97,7 @@ class BatchLifecycle:
             for start in range(0, len(rows), chunk):
                 part = rows[start : start + chunk]
                 # If this send fails, the sweeper finds the lines without a message and
-                # gives them back to the feeder.
+                # gives them back to the feeder (app/liveness.py, row 4).
                 self._queue.enqueue_chunk([r.id for r in part], model, min(r.priority for r in part))
                 report.messages += 1
             report.lines += len(rows)

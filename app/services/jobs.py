@@ -168,7 +168,8 @@ class JobService:
             "epoch": 0,
             "created_at": now,
             # The message is sent right after commit; if that send is lost, the sweeper
-            # finds no marker once the grace period has passed and sends it again.
+            # finds no marker once the grace period has passed and sends it again
+            # (app/liveness.py, rows 3 and 4).
             "enqueued_at": now,
             "idempotency_key": idem.key if idem else None,
             "request_hash": idem.fingerprint if idem else None,

@@ -13,7 +13,7 @@ from redis import Redis
 from sqlalchemy import text
 
 from app.db import Database
-from app.queue import UNACKED, JobQueue
+from app.liveness import Liveness
 from app.services.health import live_workers
 
 _ACTIVE_JOBS = text(
@@ -49,11 +49,11 @@ def _escape(value: str) -> str:
 
 class MetricsService:
     def __init__(
-        self, db: Database, redis: Redis[bytes], queue: JobQueue, served_models: frozenset[str]
+        self, db: Database, redis: Redis[bytes], liveness: Liveness, served_models: frozenset[str]
     ) -> None:
         self._db = db
         self._redis = redis
-        self._queue = queue
+        self._liveness = liveness
         self._served = served_models
 
     def render(self, *, details: bool = True) -> str:
@@ -94,8 +94,8 @@ class MetricsService:
         summed: dict[str, list[float]] = {}
         try:
             for model in sorted(self._served):
-                depth.add(self._queue.depth(model), model=model)
-            unacked.add(self._redis.hlen(UNACKED))
+                depth.add(self._liveness.depth(model), model=model)
+            unacked.add(self._liveness.unacked_count())
             per_model: dict[str, int] = dict.fromkeys(self._served, 0)
             for w in live_workers(self._redis):
                 model = str(w.get("model", ""))

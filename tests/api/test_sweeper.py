@@ -15,7 +15,8 @@ import redis
 from sqlalchemy import text
 
 from app.cli.embedded import free_port, redis_start
-from app.queue import UNACKED, UNACKED_INDEX, queue_name
+from app.liveness import UNACKED, UNACKED_INDEX
+from app.queue import queue_name
 from app.services.health import absent_workers, mark_present
 from tests.helpers import queued, response
 from worker.leader import LeaseLock
@@ -55,6 +56,7 @@ def sweeper(services, interval: float = 1, **presence: Any) -> Sweeper:  # type:
         services.db,
         JobStore(services.db),
         services.queue,
+        services.liveness,
         services.events,
         max_attempts=3,
         grace_seconds=30,
@@ -102,12 +104,12 @@ def test_a_message_lost_in_a_crash_before_its_delivery_was_recorded_is_sent_agai
     loses the message, while the job's marker still says it was sent."""
     (job_id,) = queued(services, 1)
     tag = take_message(services, job_id)
-    services.queue.drop_deliveries([tag])  # as if never recorded
+    services.liveness.drop_deliveries([tag])  # as if never recorded
     for key in services.redis.scan_iter(f"{queue_name('api-only')}*"):  # and nothing else waits
         if services.redis.type(key) == b"list":
             services.redis.delete(key)
     age(services, job_id, tag, 60)
-    assert services.queue.missing_markers([job_id]) == []  # the marker still says "sent"
+    assert services.liveness.missing_markers([job_id]) == []  # the marker still says "sent"
 
     report = sweeper(services).sweep_once()
 
@@ -118,7 +120,7 @@ def test_a_message_lost_in_a_crash_before_its_delivery_was_recorded_is_sent_agai
 def test_a_job_waiting_behind_a_backlog_is_not_sent_twice(services) -> None:
     (job_id,) = queued(services, 1)
     age(services, job_id, "none", 60)
-    assert services.queue.depth("api-only") >= 1
+    assert services.liveness.depth("api-only") >= 1
 
     sweeper(services).sweep_once()
 
@@ -189,3 +191,25 @@ def test_right_after_a_redis_restart_no_worker_counts_as_gone(tmp_path) -> None:
             time.sleep(0.1)
     finally:
         server.stop()
+
+
+def test_the_stale_queued_jobs_are_rows_1_and_4_to_8_of_the_liveness_table(services) -> None:  # type: ignore[no-untyped-def]
+    """Which jobs the sweeper looks at (app/liveness.py): a single job never sent (1) and
+    any queued job sent before the grace (4-8); not a batch line owed to the feeder (2), a
+    job just sent (3), a running job (9) nor an ended one (12)."""
+    never, owed, recent, old, running, ended = queued(services, 6)
+    batch = f"batch_{secrets.token_hex(4)}"
+    with services.db.session() as s:
+        for job_id, sql in [
+            (never, "enqueued_at = NULL"),
+            (owed, "enqueued_at = NULL, batch_id = :b, line_no = 0"),
+            (old, "enqueued_at = now() - make_interval(secs => 60)"),
+            (running, "status = 'running', enqueued_at = now() - make_interval(secs => 60)"),
+            (ended, "status = 'succeeded', enqueued_at = now() - make_interval(secs => 60)"),
+        ]:
+            s.execute(text(f"UPDATE jobs SET {sql} WHERE id = :i"), {"i": job_id, "b": batch})
+
+    listed = {job.job_id: job.never_sent for job in services.liveness.stale_queued(30, limit=100_000)}
+
+    assert listed.get(never) is True and listed.get(old) is False
+    assert {owed, recent, running, ended}.isdisjoint(listed)
