@@ -1,5 +1,5 @@
 """A contract test against real kombu: the sweeper reads kombu's Redis transport layout
-(the `unacked` hash and the `unacked_index` sorted set, app/queue.py) by hand, so a kombu
+(the `unacked` hash and the `unacked_index` sorted set, app/liveness.py) by hand, so a kombu
 upgrade that changes what a real consumer writes there must break this test, not
 production. Messages are sent by llmq's own producer and taken by a real kombu consumer
 that does not acknowledge them, as a worker holding (or dying with) a job does."""
@@ -16,16 +16,18 @@ import pytest
 from kombu import Consumer, Exchange, Queue
 from redis import Redis
 
-from app.queue import UNACKED, UNACKED_INDEX, JobQueue, create_producer, queue_name
+from app.liveness import UNACKED, UNACKED_INDEX, Liveness
+from app.queue import JobQueue, create_producer, queue_name
 from tests.helpers import Stores, make_settings
 
 
 @pytest.fixture
-def broker(stores: Stores) -> Iterator[tuple[JobQueue, Any, Redis[bytes]]]:
+def broker(stores: Stores) -> Iterator[tuple[JobQueue, Liveness, Any, Redis[bytes]]]:
     settings = make_settings(stores)
     celery = create_producer(settings)
     redis: Redis[bytes] = Redis.from_url(stores.redis_url)
-    yield JobQueue(celery, redis, marker_ttl_seconds=60), celery, redis
+    liveness = Liveness(redis, marker_ttl_seconds=60)
+    yield JobQueue(celery, liveness), liveness, celery, redis
     redis.close()
 
 
@@ -55,9 +57,9 @@ def take_without_ack(celery: Any, model: str, count: int) -> Iterator[list[Any]]
 
 
 def test_llmq_reads_what_a_real_kombu_consumer_leaves_unacknowledged(
-    broker: tuple[JobQueue, Any, Redis[bytes]],
+    broker: tuple[JobQueue, Liveness, Any, Redis[bytes]],
 ) -> None:
-    queue, celery, redis = broker
+    queue, liveness, celery, redis = broker
     model = f"kombu-contract-{secrets.token_hex(3)}"
     single, chunk = f"job_{secrets.token_hex(6)}", [f"job_{secrets.token_hex(6)}" for _ in range(3)]
     queue.enqueue(single, model, 0)
@@ -67,12 +69,12 @@ def test_llmq_reads_what_a_real_kombu_consumer_leaves_unacknowledged(
         # kombu's own layout: the message under its delivery tag, the tag scored by time.
         assert all(redis.hexists(UNACKED, tag) for tag in tags)
         assert all(redis.zscore(UNACKED_INDEX, tag) is not None for tag in tags)
-        assert {single, *chunk} <= queue.delivered_job_ids()
-        ours = {tag: ids for tag, ids in queue.stale_deliveries(-60).items() if tag in tags}
+        assert {single, *chunk} <= liveness.delivered_job_ids()
+        ours = {tag: ids for tag, ids in liveness.stale_deliveries(-60).items() if tag in tags}
         assert sorted(ours.values()) == sorted([[single], chunk])
         # Taken just now: not stale yet.
-        assert not tags & set(queue.stale_deliveries(60))
-        assert queue.depth(model) == 0
-        queue.drop_deliveries(sorted(tags))
+        assert not tags & set(liveness.stale_deliveries(60))
+        assert liveness.depth(model) == 0
+        liveness.drop_deliveries(sorted(tags))
         assert not any(redis.hexists(UNACKED, tag) for tag in tags)
-        assert not {single, *chunk} & queue.delivered_job_ids()
+        assert not {single, *chunk} & liveness.delivered_job_ids()
