@@ -179,7 +179,9 @@ def test_r10_a_job_that_kills_its_worker_ends_failed(fault_stack: FaultStack) ->
         if not alive:
             # What a supervisor does; the poison line may kill it before it is ready.
             with contextlib.suppress(RuntimeError):
-                fault_stack.worker(f"r10-{len(fault_stack.workers)}")
+                # One chunk out at a time: what dies with the poison line is its own chunk,
+                # whatever the timing (co-running bystanders spend attempts too).
+                fault_stack.worker(f"r10-{len(fault_stack.workers)}", LLMQ_BATCH_DISPATCH_WINDOW="16")
         time.sleep(0.5)
     done = fault_stack.get_batch(batch)
     assert done["request_counts"]["failed"] >= 1 and done["request_counts"]["completed"] >= 39 - 16
