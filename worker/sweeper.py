@@ -14,7 +14,6 @@ all (paused, its presence writes late), the new claim's epoch fences it off.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from app.liveness import (
     sent_before,
     vanish_candidates,
 )
+from app.periodic import Periodic
 from app.queue import JobQueue
 from worker.leader import LeaseLock
 from worker.store import Expired, JobStore
@@ -79,8 +79,11 @@ class Sweeper:
         self._max_attempts = max_attempts
         self._grace = grace_seconds
         self._interval = interval_seconds
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="llmq-sweeper", daemon=True)
+        self._due = time.monotonic() + interval_seconds
+        # A full round every interval; in between, a look for gone owners every few seconds.
+        self._periodic = Periodic(
+            "llmq-sweeper", min(interval_seconds, self._presence_check), self._tick, log=log
+        )
 
     def sweep_once(self) -> SweepReport:
         report = SweepReport()
@@ -167,18 +170,13 @@ class Sweeper:
             return Observed(missing, idle)
         return Observed(missing, idle, self._liveness.delivered_job_ids())
 
-    def _loop(self) -> None:
-        due = time.monotonic() + self._interval
-        while not self._stop.wait(min(self._interval, self._presence_check)):
-            try:
-                if time.monotonic() >= due or self._gone_owners():
-                    due = time.monotonic() + self._interval
-                    self.sweep_once()
-            except Exception as exc:  # noqa: BLE001 - Postgres or Redis down: try next round
-                log.warning("sweep failed", extra={"error": f"{type(exc).__name__}: {exc}"})
+    def _tick(self) -> None:
+        if time.monotonic() >= self._due or self._gone_owners():
+            self._due = time.monotonic() + self._interval
+            self.sweep_once()
 
     def start(self) -> None:
-        self._thread.start()
+        self._periodic.start()
 
     def stop(self) -> None:
-        self._stop.set()
+        self._periodic.stop()
