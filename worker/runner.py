@@ -332,6 +332,14 @@ class JobRunner:
             )
             body = InvalidRequest(message, param=run.tr.constraint.param, code="constraint_suspected").body()
             run.result = self._failed(run, body)
+        elif (isinstance(error, EngineDead) or run.item.released) and (
+            run.claim.attempts >= self._config.max_attempts
+        ):
+            # Handed back now it could never be claimed again (its attempts are spent): it
+            # would sit queued for ever. It ends here, with the reason.
+            why = "its engine died" if isinstance(error, EngineDead) else "its worker shut down"
+            message = f"the job was stopped {run.claim.attempts} times ({why} the last time); not retried"
+            run.result = self._failed(run, error_body(message, "engine_error", code="attempts_exhausted"))
         elif isinstance(error, EngineDead) or run.item.released:
             run.handed_back = True
             run.result = Result(run.claim.job_id, run.claim.epoch, JobStatus.QUEUED.value)

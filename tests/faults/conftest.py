@@ -92,7 +92,15 @@ class FaultStack:
 
     # --- work ---------------------------------------------------------------------------
 
-    def batch(self, n: int, *, max_tokens: int = 20, special: dict[int, str] | None = None) -> str:
+    def batch(
+        self,
+        n: int,
+        *,
+        max_tokens: int = 20,
+        special: dict[int, str] | None = None,
+        fields: dict[int, dict[str, Any]] | None = None,
+    ) -> str:
+        """`special`: a line's message text; `fields`: more body fields for a line."""
         lines = []
         for i in range(n):
             content = (special or {}).get(i, f"line {i}")
@@ -100,6 +108,7 @@ class FaultStack:
                 "model": MODEL,
                 "messages": [{"role": "user", "content": content}],
                 "max_tokens": max_tokens,
+                **(fields or {}).get(i, {}),
             }
             lines.append(
                 json.dumps(
@@ -139,7 +148,7 @@ class FaultStack:
         with self.services.db.session() as s:
             result = s.execute(
                 text(
-                    "SELECT id, status, attempts, epoch, finished_by, succeeded_at "
+                    "SELECT id, status, attempts, epoch, finished_by, succeeded_at, error "
                     f"FROM jobs WHERE batch_id = :b AND {where}"
                 ),
                 {"b": batch_id},

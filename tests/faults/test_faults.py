@@ -17,7 +17,7 @@ from sqlalchemy import text
 
 from app.services.health import live_workers
 from tests.faults.conftest import MODEL, FaultStack
-from tests.faults.crashing_worker import CRASH_MARKER
+from tests.faults.crashing_worker import CRASH_MARKER, ENGINE_CRASH_CHOICE
 from tests.helpers import WorkerProcess, auth, gone_within, stack_env
 
 pytestmark = pytest.mark.faults
@@ -287,3 +287,27 @@ def test_r14_a_killed_workers_jobs_run_again_within_10_s(fault_stack: FaultStack
     done = fault_stack.wait_batch(batch, timeout=90)
     assert done["status"] == "completed" and done["request_counts"]["completed"] == 16
     fault_stack.inv(batch, 16)
+
+
+def test_x8_a_constraint_that_kills_the_engine_fails_alone(fault_stack: FaultStack) -> None:
+    """A constraint that passes every check yet kills the engine (as a compiler segfault in
+    vLLM's engine core would): the poison line fails alone at once, attempts 1; the lines
+    running beside it are handed back and succeed on the restarted worker."""
+    poison = {"guided_choice": ["yes", ENGINE_CRASH_CHOICE]}
+    batch = fault_stack.batch(24, max_tokens=40, fields={5: poison})
+    deadline = time.monotonic() + 180
+    while fault_stack.get_batch(batch)["status"] not in ("completed", "failed"):
+        assert time.monotonic() < deadline, fault_stack.describe(batch)
+        alive = [w for w in fault_stack.workers if w.proc is not None and w.proc.poll() is None]
+        if not alive:  # the worker leaves when its engine dies; a supervisor starts another
+            with contextlib.suppress(RuntimeError):
+                fault_stack.worker(f"x8-{len(fault_stack.workers)}")
+        time.sleep(0.5)
+    assert any("engine is dead" in log_text(w) for w in fault_stack.workers), "the engine never died"
+    done = fault_stack.get_batch(batch)
+    assert done["request_counts"] == {"total": 24, "completed": 23, "failed": 1}
+    (row,) = fault_stack.rows(batch, "custom_id = 'line-5'").values()
+    assert row["status"] == "failed" and row["attempts"] == 1
+    assert row["error"]["error"]["code"] == "constraint_suspected"
+    assert row["error"]["error"]["param"] == "guided_choice"
+    fault_stack.inv(batch, 24)

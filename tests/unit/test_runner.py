@@ -403,3 +403,23 @@ def test_worker_compiles_constraints_in_the_sandbox_and_fails_a_bomb_alone(loop:
     error = store.jobs["job_bomb"]["error"]["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == "guided_grammar"
     assert store.jobs["job_bomb"]["attempts"] == 1
+
+
+def test_a_job_handed_back_with_its_attempts_spent_ends_failed_not_stuck(loop: LoopThread) -> None:
+    """On its last attempt a job the engine died under cannot go back to the queue: no claim
+    would take it again, and it would sit `queued` for ever."""
+    from tests.unit.fakes import DyingEngine
+    from worker.engine import EngineDead
+
+    store, streams = FakeStore(), FakeStreams()
+    store.add("job_last", body(max_tokens=50))
+    store.add("job_fresh", body(max_tokens=50))
+    store.jobs["job_last"]["attempts"] = 2  # this claim is its third and last
+    runner = make_runner(loop, DyingEngine(kills=lambda spec: True), store, streams)
+    with pytest.raises(EngineDead):
+        runner.run_many(["job_last", "job_fresh"])
+    last = store.jobs["job_last"]
+    assert last["status"] == "failed" and last["attempts"] == 3
+    assert last["error"]["error"]["code"] == "attempts_exhausted"
+    assert ("job_last", "failed") in streams.ended
+    assert store.jobs["job_fresh"]["status"] == "queued"  # still has attempts: handed back
