@@ -119,7 +119,7 @@ def test_cancel_half_way_keeps_the_finished_half(stack: Stack, services) -> None
     with services.db.session() as s:
         lines_ = set(s.scalars(text("SELECT id FROM jobs WHERE batch_id = :b"), {"b": batch.id}))
     deadline = time.monotonic() + 60
-    while lines_ & services.queue.delivered_job_ids():
+    while lines_ & services.liveness.delivered_job_ids():
         assert time.monotonic() < deadline, "a worker still holds lines of the cancelled batch"
         time.sleep(0.2)
     with services.db.session() as s:
