@@ -35,10 +35,6 @@ def setup() -> None:
     die_with_parent()
 
 
-# The entry point's earlier target: an install made before it was renamed still calls this.
-init_amx = setup
-
-
 def request_amx() -> None:
     import torch
 

@@ -19,9 +19,6 @@ class JobStatus(StrEnum):
         return self not in (JobStatus.QUEUED, JobStatus.RUNNING)
 
 
-TERMINAL_STATUSES = tuple(s.value for s in JobStatus if s.terminal)
-
-
 class JobKind(StrEnum):
     CHAT = "chat"
     BENCH = "bench"

@@ -29,26 +29,6 @@ from app.services.quotas import check_single_jobs
 log = logging.getLogger("llmq.jobs")
 
 MAX_PAGE = 100
-_INSERTED = frozenset(
-    {
-        "id",
-        "tenant_id",
-        "kind",
-        "status",
-        "priority",
-        "model",
-        "request",
-        "metadata_",
-        "attempts",
-        "epoch",
-        "created_at",
-        "enqueued_at",
-    }
-)
-
-
-def _by_column(row: dict[str, Any]) -> dict[str, Any]:
-    return {("metadata" if k == "metadata_" else k): v for k, v in row.items()}
 
 
 def to_job_object(job: Job) -> JobObject:
