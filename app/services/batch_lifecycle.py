@@ -170,7 +170,9 @@ class BatchLifecycle:
                 BatchStatus.FINALIZING.value,
             ):
                 return
-            if batch.status != BatchStatus.FINALIZING.value:
+            # OpenAI's states: a batch that ran to its end is `finalizing` while its files are
+            # made; a cancelled one stays `cancelling` until it is `cancelled`.
+            if batch.status == BatchStatus.IN_PROGRESS.value:
                 batch.status = BatchStatus.FINALIZING.value
                 batch.finalizing_at = datetime.now(UTC)
         # Every line has ended, so the files' contents are fixed: measure them with no
@@ -187,7 +189,10 @@ class BatchLifecycle:
         now = datetime.now(UTC)
         with self._db.session() as s:
             batch = s.scalar(select(Batch).where(Batch.id == batch_id).with_for_update())
-            if batch is None or batch.status != BatchStatus.FINALIZING.value:
+            if batch is None or batch.status not in (
+                BatchStatus.FINALIZING.value,
+                BatchStatus.CANCELLING.value,
+            ):
                 return  # another finalizer got there first
             if "output" in sizes:
                 batch.output_file_id = self._output_file(s, batch, "output", sizes["output"])

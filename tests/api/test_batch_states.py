@@ -153,6 +153,23 @@ def test_lifecycle_commits_validating_and_finalizing(
     assert final["request_counts"] == {"total": 4, "completed": 4, "failed": 0}
 
 
+def test_a_cancelled_batch_goes_cancelling_then_cancelled_never_finalizing(
+    client: FlaskClient, services: Services, stores: Stores, tenant: tuple[str, str]
+) -> None:
+    """OpenAI's states: `finalizing` is for a batch that ran to its end; a cancelled one
+    stays `cancelling` while its files are made, then is `cancelled`."""
+    name, key = tenant
+    f = upload(client, key, jsonl([line(i) for i in range(4)])).get_json()
+    with audited(stores, name) as rows:
+        batch = create(client, key, f["id"]).get_json()
+        r = client.post(f"/v1/batches/{batch['id']}/cancel", headers=auth(key))
+        assert r.get_json()["status"] == "cancelling"
+        assert lifecycle(services).finalize_done() >= 1
+    assert [s for s, _ in transitions(rows)] == ["validating", "in_progress", "cancelling", "cancelled"]
+    final = client.get(f"/v1/batches/{batch['id']}", headers=auth(key)).get_json()
+    assert final["finalizing_at"] is None and final["cancelled_at"] is not None
+
+
 def test_a_batch_left_validating_is_taken_up_again(
     client: FlaskClient, services: Services, tenant: tuple[str, str]
 ) -> None:
