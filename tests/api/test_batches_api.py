@@ -134,7 +134,7 @@ def test_batch_lines_become_jobs_and_cancel_keeps_nothing_running(
     lifecycle = BatchLifecycle(services.db, services.queue, services.events, window=64, chunk=8)
     assert lifecycle.finalize_done() >= 1
     final = BatchObject.model_validate(client.get(f"/v1/batches/{batch.id}", headers=auth(key)).get_json())
-    assert final.status == "cancelled" and final.cancelled_at and final.finalizing_at
+    assert final.status == "cancelled" and final.cancelled_at and final.finalizing_at is None
     assert final.output_file_id is None and final.error_file_id
     errors = (
         client.get(f"/v1/files/{final.error_file_id}/content", headers=auth(key)).data.decode().splitlines()
