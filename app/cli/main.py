@@ -114,8 +114,31 @@ def cmd_api(args: argparse.Namespace) -> int:
     os.execv(sys.executable, argv)  # noqa: S606 - replaces this process with gunicorn
 
 
-def cmd_worker(_args: argparse.Namespace) -> int:
+def cmd_worker(args: argparse.Namespace) -> int:
+    if args.worker_command == "health":
+        return cmd_worker_health(args)
     os.execv(sys.executable, [sys.executable, "-m", "worker"])  # noqa: S606
+
+
+def cmd_worker_health(_args: argparse.Namespace) -> int:
+    """Exit 0 iff a worker process of this host is registered and consuming (a container
+    healthcheck: it runs beside the worker, in its host name and process namespace)."""
+    import socket
+
+    from redis.exceptions import RedisError
+
+    from app.cli.worker_health import Verdict, check
+    from app.container import redis_client
+
+    redis = redis_client(Settings().require_redis_url())
+    try:
+        verdict = check(redis, socket.gethostname())
+    except RedisError as exc:
+        verdict = Verdict(False, f"cannot read the worker registry in Redis: {type(exc).__name__}: {exc}")
+    finally:
+        redis.close()
+    print(verdict.message, file=sys.stdout if verdict.healthy else sys.stderr)
+    return 0 if verdict.healthy else 1
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
@@ -294,7 +317,12 @@ def build_parser() -> argparse.ArgumentParser:
     api.set_defaults(func=cmd_api)
 
     worker = sub.add_parser("worker", help="run one worker (one engine) for LLMQ_MODEL")
-    worker.set_defaults(func=cmd_worker)
+    worker_sub = worker.add_subparsers(dest="worker_command", required=False, metavar="ACTION")
+    worker_sub.add_parser(
+        "health",
+        help="exit 0 iff a worker process of this host is registered and consuming (a container healthcheck)",
+    )
+    worker.set_defaults(func=cmd_worker, worker_command=None)
 
     migrate = sub.add_parser("migrate", help="upgrade the database to the latest schema")
     migrate.add_argument("--data-dir", default=None, help="LLMQ_DATA_DIR by default")
