@@ -195,7 +195,8 @@ class Settings(BaseSettings):
         "counts are always public.",
     )
     bootstrap_api_key: str | None = Field(
-        default=None, description="Registered for the default tenant at start-up."
+        default=None,
+        description="Registered for the default tenant by `llmq migrate` (the release step) and `llmq up`.",
     )
     default_tenant: str = "default"
 

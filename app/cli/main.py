@@ -142,10 +142,24 @@ def cmd_worker_health(_args: argparse.Namespace) -> int:
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
+    """The release step: upgrade the schema, then register `LLMQ_BOOTSTRAP_API_KEY` (when set)
+    for the default tenant. Both are idempotent, so it runs on every deploy."""
     from app.cli.stack import run_migrations
 
-    run_migrations(_settings(args).require_database_url())
+    settings = _settings(args)
+    run_migrations(settings.require_database_url())
     print("database is at the latest revision")
+    if settings.bootstrap_api_key:
+        from app.db import Database
+        from app.services.keys import KeyService
+
+        db = Database.from_url(settings.require_database_url(), pool_size=1)
+        try:
+            keys = KeyService(db)
+            keys.create_key(settings.default_tenant, name="bootstrap", key=settings.bootstrap_api_key)
+        finally:
+            db.dispose()
+        print(f"LLMQ_BOOTSTRAP_API_KEY is registered for tenant {settings.default_tenant!r}")
     return 0
 
 
@@ -324,7 +338,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     worker.set_defaults(func=cmd_worker, worker_command=None)
 
-    migrate = sub.add_parser("migrate", help="upgrade the database to the latest schema")
+    migrate = sub.add_parser(
+        "migrate",
+        help="upgrade the database to the latest schema and register LLMQ_BOOTSTRAP_API_KEY (the "
+        "release step; idempotent)",
+    )
     migrate.add_argument("--data-dir", default=None, help="LLMQ_DATA_DIR by default")
     migrate.set_defaults(func=cmd_migrate)
 
