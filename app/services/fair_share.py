@@ -8,10 +8,13 @@ waiting lines allow, keeping the fraction for its next visit; a tenant with noth
 waiting loses its credit. Rounds repeat until the room is spent or nothing waits.
 
 So one tenant's 50,000-line batch and another's one-line batch each get a line in the
-first round; age and size of a batch do not matter across tenants. Within a tenant, lines
-go in priority, batch and line order (the feeder's query, not this module). Later
-deadline or fair-share work changes this one function's inputs (weights, waiting), not the
-feeder.
+first round; age and size of a batch do not matter across tenants, and a tenant with
+weight 2 gets twice the lines of one with weight 1 while both have lines waiting. Weights
+are set per tenant by an operator (`llmq tenants set --weight`, default 1) and passed in
+with each call, so a change applies at the feeder's next tick. Within a tenant, lines go
+in priority order, then earliest deadline first (the batch's `created_at` + completion
+window), then batch and line order: the feeder's query, not this module. Deadlines do not
+cross tenants: a tenant cannot buy a larger share by asking for short windows.
 """
 
 from __future__ import annotations
@@ -28,9 +31,13 @@ class FairShare:
         self._credit: dict[str, float] = {}
         self._last: str | None = None
 
-    def pick(self, waiting: Mapping[str, int], room: int) -> list[str]:
+    def pick(
+        self, waiting: Mapping[str, int], room: int, weights: Mapping[str, float] | None = None
+    ) -> list[str]:
         """One tenant id per line to send, in the order the lines should go (interleaved
-        round by round), at most `room` of them and never more than a tenant has waiting."""
+        round by round), at most `room` of them and never more than a tenant has waiting.
+        `weights` (per call) override the ones given at construction."""
+        weight = {**self._weights, **{t: w for t, w in (weights or {}).items() if w > 0}}
         left = {t: n for t, n in waiting.items() if n > 0}
         self._credit = {t: c for t, c in self._credit.items() if t in left}
         order = sorted(left)
@@ -42,7 +49,7 @@ class FairShare:
             for tenant in order:
                 if tenant not in left:
                     continue
-                credit = self._credit.get(tenant, 0.0) + self._weights.get(tenant, self._default)
+                credit = self._credit.get(tenant, 0.0) + weight.get(tenant, self._default)
                 while credit >= 1 and left[tenant] > 0 and room > 0:
                     picks.append(tenant)
                     credit -= 1

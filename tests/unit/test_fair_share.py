@@ -65,3 +65,11 @@ def test_a_demoted_tenant_defaults_to_its_band() -> None:
 def test_bands_stay_inside_the_documented_range(low: int, high: int) -> None:
     with pytest.raises(ValueError):
         PriorityBand(low, high)
+
+
+def test_weights_given_per_call_apply_at_once_and_override_the_defaults() -> None:
+    share = FairShare()
+    picks = share.pick({"a": 100, "b": 100}, room=30, weights={"b": 2.0})
+    assert picks.count("b") == 20 and picks.count("a") == 10
+    picks = share.pick({"a": 100, "b": 100}, room=30)  # back to equal
+    assert picks.count("b") == 15 and picks.count("a") == 15
