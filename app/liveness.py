@@ -85,10 +85,10 @@ _QUEUED = JobStatus.QUEUED.value
 OWED_MODELS = text(
     "SELECT DISTINCT model FROM jobs WHERE status = 'queued' AND batch_id IS NOT NULL AND enqueued_at IS NULL"
 )
-# Lines out for a model: sent (queued with `enqueued_at` set) or running.
-OUT = text(
-    "SELECT count(*) FROM jobs WHERE model = :model AND batch_id IS NOT NULL "
-    "AND (status = 'running' OR (status = 'queued' AND enqueued_at IS NOT NULL))"
+# Lines out for a model, per tenant: sent (queued with `enqueued_at` set) or running.
+OUT_BY_TENANT = text(
+    "SELECT tenant_id, count(*) AS n FROM jobs WHERE model = :model AND batch_id IS NOT NULL "
+    "AND (status = 'running' OR (status = 'queued' AND enqueued_at IS NOT NULL)) GROUP BY tenant_id"
 )
 # Lines waiting per tenant, with the tenant's weight: what the fair share divides the
 # room among.

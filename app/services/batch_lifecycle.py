@@ -18,7 +18,7 @@ from app.db import Database
 from app.domain.status import BatchStatus, FilePurpose, JobStatus
 from app.events import JobEvents
 from app.ids import new_id
-from app.liveness import OUT, OWED_BY_TENANT, OWED_MODELS, TAKE_OWED, owed_order
+from app.liveness import OUT_BY_TENANT, OWED_BY_TENANT, OWED_MODELS, TAKE_OWED, owed_order
 from app.models import Batch, File
 from app.queue import JobQueue
 from app.services.batch_output import output_lines
@@ -83,12 +83,14 @@ class BatchLifecycle:
             window = self.window(model)
             chunk = min(self._chunk, window)
             with self._db.session() as s:
-                room = window - int(s.scalar(OUT, {"model": model}) or 0)
+                out = {r.tenant_id: int(r.n) for r in s.execute(OUT_BY_TENANT, {"model": model})}
+                room = window - sum(out.values())
                 if room < chunk:
                     continue
                 owed = s.execute(OWED_BY_TENANT, {"model": model}).all()
                 waiting = {r.tenant_id: int(r.n) for r in owed}
-                picks = self._share.pick(waiting, room, {r.tenant_id: float(r.weight) for r in owed})
+                weights = {r.tenant_id: float(r.weight) for r in owed}
+                picks = self._share.pick(waiting, room, weights, out)
                 taken = {
                     tenant: iter(
                         sorted(
