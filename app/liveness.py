@@ -85,18 +85,22 @@ _QUEUED = JobStatus.QUEUED.value
 OWED_MODELS = text(
     "SELECT DISTINCT model FROM jobs WHERE status = 'queued' AND batch_id IS NOT NULL AND enqueued_at IS NULL"
 )
-# Lines out for a model: sent (queued with `enqueued_at` set) or running.
-OUT = text(
-    "SELECT count(*) FROM jobs WHERE model = :model AND batch_id IS NOT NULL "
-    "AND (status = 'running' OR (status = 'queued' AND enqueued_at IS NOT NULL))"
+# Lines out for a model, per tenant: sent (queued with `enqueued_at` set) or running.
+OUT_BY_TENANT = text(
+    "SELECT tenant_id, count(*) AS n FROM jobs WHERE model = :model AND batch_id IS NOT NULL "
+    "AND (status = 'running' OR (status = 'queued' AND enqueued_at IS NOT NULL)) GROUP BY tenant_id"
 )
-# Lines waiting per tenant: what the fair share divides the room among.
+# Lines waiting per tenant, with the tenant's weight: what the fair share divides the
+# room among.
 OWED_BY_TENANT = text(
+    "SELECT w.tenant_id, w.n, coalesce(t.share_weight, 1.0) AS weight FROM ("
     "SELECT tenant_id, count(*) AS n FROM jobs WHERE model = :model AND status = 'queued' "
     "AND batch_id IS NOT NULL AND enqueued_at IS NULL GROUP BY tenant_id"
+    ") w LEFT JOIN tenants t ON t.id = w.tenant_id"
 )
-# Takes owed lines to send: their `enqueued_at` is set before the message goes out, so a
-# failed send is row 4 of the table.
+# Takes owed lines to send, in priority order, then earliest deadline first, then batch
+# and line order: their `enqueued_at` is set before the message goes out, so a failed
+# send is row 4 of the table.
 TAKE_OWED = text(
     """
     UPDATE jobs SET enqueued_at = now()
@@ -104,10 +108,16 @@ TAKE_OWED = text(
       SELECT id FROM jobs
       WHERE model = :model AND tenant_id = :tenant AND status = 'queued' AND batch_id IS NOT NULL
         AND enqueued_at IS NULL
-      ORDER BY priority, batch_id, line_no LIMIT :n FOR UPDATE SKIP LOCKED)
-    RETURNING id, priority, batch_id, line_no
+      ORDER BY priority, deadline_at, batch_id, line_no LIMIT :n FOR UPDATE SKIP LOCKED)
+    RETURNING id, priority, deadline_at, batch_id, line_no
     """
 )
+
+
+def owed_order(row: Any) -> tuple[Any, ...]:
+    """TAKE_OWED's order, for its rows: `RETURNING` keeps no order."""
+    return (row.priority, row.deadline_at is None, row.deadline_at, row.batch_id, row.line_no)
+
 
 _STALE_QUEUED = text(
     """

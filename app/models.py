@@ -10,6 +10,7 @@ from sqlalchemy import (
     BigInteger,
     CheckConstraint,
     DateTime,
+    Float,
     ForeignKey,
     Index,
     Integer,
@@ -41,7 +42,10 @@ class Base(DeclarativeBase):
 
 class Tenant(Base):
     __tablename__ = "tenants"
-    __table_args__ = (CheckConstraint("priority_min <= priority_max", name="priority_band"),)
+    __table_args__ = (
+        CheckConstraint("priority_min <= priority_max", name="priority_band"),
+        CheckConstraint("share_weight > 0", name="share_weight_positive"),
+    )
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     name: Mapped[str] = mapped_column(String(128), unique=True)
@@ -49,6 +53,8 @@ class Tenant(Base):
     # The `priority` values this tenant's requests may ask for (app/services/priority.py).
     priority_min: Mapped[int] = mapped_column(Integer, server_default="0")
     priority_max: Mapped[int] = mapped_column(Integer, server_default="100")
+    # This tenant's weight in the feeder's fair share of batch dispatch (app/services/fair_share.py).
+    share_weight: Mapped[float] = mapped_column(Float, server_default="1")
 
 
 class ApiKey(Base):
@@ -90,6 +96,7 @@ class Job(Base):
             "model",
             "tenant_id",
             "priority",
+            "deadline_at",
             "batch_id",
             "line_no",
             postgresql_where=text("status = 'queued' AND batch_id IS NOT NULL AND enqueued_at IS NULL"),
@@ -158,6 +165,9 @@ class Job(Base):
 
     # Set when the job is one line of a batch.
     batch_id: Mapped[str | None] = mapped_column(String(40))
+    # The batch's deadline (created_at + completion window): the feeder sends a tenant's
+    # lines earliest deadline first.
+    deadline_at: Mapped[datetime | None]
     custom_id: Mapped[str | None] = mapped_column(Text)
     line_no: Mapped[int | None] = mapped_column(Integer)
 

@@ -42,6 +42,14 @@ def main() -> None:
         results.append(
             {"id": "B5", **b5["summary"], "idle": b5["idle_streams"]["holding"], "goal": b5["goal"]}
         )
+    if "B8" in wanted:
+        from bench import b8_fairness
+
+        results.append(b8_fairness.run())
+    if "B9" in wanted:
+        from bench import b9_deadlines
+
+        results.append(b9_deadlines.run())
     print()
     print(f"{'id':<4} {'figure':<44} {'goal':<34}")
     for r in results:

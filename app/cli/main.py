@@ -252,13 +252,17 @@ def cmd_keys_revoke(args: argparse.Namespace) -> int:
 
 def cmd_tenants_set(args: argparse.Namespace) -> int:
     keys = _keys(args)
-    if args.priority_min is None and args.priority_max is None:
-        band = keys.priority_band(args.tenant)
-    else:
+    changing = args.priority_min is not None or args.priority_max is not None or args.weight is not None
+    if changing:
         keys.ensure_tenant(args.tenant)
-        band = keys.set_priority_band(args.tenant, args.priority_min, args.priority_max)
+    if args.priority_min is not None or args.priority_max is not None:
+        keys.set_priority_band(args.tenant, args.priority_min, args.priority_max)
+    if args.weight is not None:
+        keys.set_share_weight(args.tenant, args.weight)
+    band = keys.priority_band(args.tenant)
     print(
-        f"tenant {args.tenant}: priority {band.low}..{band.high} (lower runs earlier; default {band.default})"
+        f"tenant {args.tenant}: priority {band.low}..{band.high} "
+        f"(lower runs earlier; default {band.default}); fair-share weight {keys.share_weight(args.tenant):g}"
     )
     return 0
 
@@ -366,14 +370,20 @@ def build_parser() -> argparse.ArgumentParser:
     tenants_sub = tenants.add_subparsers(dest="tenants_command", required=True, metavar="ACTION")
     ts = tenants_sub.add_parser(
         "set",
-        help="set the band of `priority` values a tenant's requests may use (created if new); "
-        "with no band flags, print it",
+        help="set the band of `priority` values a tenant's requests may use and its fair-share "
+        "weight (created if new); with no flags, print them",
     )
     ts.add_argument("tenant")
     ts.add_argument(
         "--priority-min", type=int, default=None, help="most favourable priority allowed (lower runs earlier)"
     )
     ts.add_argument("--priority-max", type=int, default=None, help="least favourable priority allowed")
+    ts.add_argument(
+        "--weight",
+        type=float,
+        default=None,
+        help="the tenant's weight in the fair share of batch dispatch (default 1; 2 = twice the lines)",
+    )
     ts.add_argument("--data-dir", default=None, help="LLMQ_DATA_DIR by default")
     ts.set_defaults(func=cmd_tenants_set)
 

@@ -61,10 +61,18 @@ class BatchErrors(WireModel):
     data: list[BatchLineError]
 
 
+# A whole number of minutes, hours or days from 1 hour to 7 days: 60m..10080m, 1h..168h, 1d..7d.
+COMPLETION_WINDOW_PATTERN = (
+    r"^(?:(?:[6-9][0-9]|[1-9][0-9]{2,3}|100[0-7][0-9]|10080)m"
+    r"|(?:[1-9]|[1-9][0-9]|1[0-5][0-9]|16[0-8])h|[1-7]d)$"
+)
+
+
 class BatchCreate(WireModel):
     input_file_id: str = Field(min_length=1, max_length=128, pattern=r"^[^\x00]+$")
     endpoint: str = Field(json_schema_extra={"enum": list(BATCH_ENDPOINTS)})
-    completion_window: str = Field(pattern=r"^[1-9][0-9]{0,3}[mh]$")
+    # From 1h to 7d; checked (with a message naming the range) by the service.
+    completion_window: str = Field(max_length=16, json_schema_extra={"pattern": COMPLETION_WINDOW_PATTERN})
     metadata: dict[str, str] | None = None
 
 

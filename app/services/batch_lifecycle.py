@@ -18,7 +18,7 @@ from app.db import Database
 from app.domain.status import BatchStatus, FilePurpose, JobStatus
 from app.events import JobEvents
 from app.ids import new_id
-from app.liveness import OUT, OWED_BY_TENANT, OWED_MODELS, TAKE_OWED
+from app.liveness import OUT_BY_TENANT, OWED_BY_TENANT, OWED_MODELS, TAKE_OWED, owed_order
 from app.models import Batch, File
 from app.queue import JobQueue
 from app.services.batch_output import output_lines
@@ -72,8 +72,8 @@ class BatchLifecycle:
 
     def feed(self) -> FeedReport:
         """Send waiting batch lines to the broker while fewer than `window` lines per model
-        are out, sharing that room among tenants (app/services/fair_share.py), each
-        tenant's lines in priority and line order. A 50,000-line batch thus never floods
+        are out, sharing that room among tenants by weight (app/services/fair_share.py), each
+        tenant's lines in priority order, then earliest deadline first. A 50,000-line batch thus never floods
         Redis nor holds another tenant's batch back, and single jobs (sent at once, at a
         higher broker priority) never wait behind it."""
         report = FeedReport()
@@ -83,13 +83,21 @@ class BatchLifecycle:
             window = self.window(model)
             chunk = min(self._chunk, window)
             with self._db.session() as s:
-                room = window - int(s.scalar(OUT, {"model": model}) or 0)
+                out = {r.tenant_id: int(r.n) for r in s.execute(OUT_BY_TENANT, {"model": model})}
+                room = window - sum(out.values())
                 if room < chunk:
                     continue
-                waiting = {r.tenant_id: int(r.n) for r in s.execute(OWED_BY_TENANT, {"model": model})}
-                picks = self._share.pick(waiting, room)
+                owed = s.execute(OWED_BY_TENANT, {"model": model}).all()
+                waiting = {r.tenant_id: int(r.n) for r in owed}
+                weights = {r.tenant_id: float(r.weight) for r in owed}
+                picks = self._share.pick(waiting, room, weights, out)
                 taken = {
-                    tenant: iter(s.execute(TAKE_OWED, {"model": model, "tenant": tenant, "n": n}).all())
+                    tenant: iter(
+                        sorted(
+                            s.execute(TAKE_OWED, {"model": model, "tenant": tenant, "n": n}).all(),
+                            key=owed_order,
+                        )
+                    )
                     for tenant, n in Counter(picks).items()
                 }
             # Interleaved as picked, so the first message already carries every tenant's lines.

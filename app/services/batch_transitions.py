@@ -28,11 +28,11 @@ LINE_ERRORS = {
 _CREATE_JOBS = text(
     """
     INSERT INTO jobs (id, tenant_id, kind, status, priority, model, request, metadata, attempts, epoch,
-                      created_at, enqueued_at, batch_id, custom_id, line_no)
+                      created_at, enqueued_at, batch_id, deadline_at, custom_id, line_no)
     SELECT 'job_' || :suffix || '_' || lpad(fl.line_no::text, 6, '0'), :tenant, 'chat', 'queued',
            coalesce((b->>'priority')::numeric::int, :default_priority), b->>'model', b, b->'metadata', 0, 0,
            now(), NULL,
-           :batch, fl.custom_id, fl.line_no
+           :batch, :deadline, fl.custom_id, fl.line_no
     FROM file_lines fl, LATERAL (SELECT (fl.raw::json)->'body' AS b) body
     WHERE fl.file_id = :file
     """
@@ -71,6 +71,7 @@ def materialize(db: Database, batch_id: str) -> bool:
                 "batch": batch.id,
                 "file": batch.input_file_id,
                 "default_priority": band.default,
+                "deadline": batch.expires_at,
             },
         )
         batch.status = BatchStatus.IN_PROGRESS.value

@@ -75,11 +75,27 @@ BATCH_MODELS = text(
 )
 
 
+# A batch's completion window: its deadline is `created_at` + window.
+WINDOW_UNITS = {"m": 60, "h": 3600, "d": 86400}
+MIN_WINDOW_SECONDS = 3600
+MAX_WINDOW_SECONDS = 7 * 86400
+
+
 def window_seconds(window: str) -> int:
-    match = re.fullmatch(r"([1-9][0-9]{0,3})([mh])", window)
-    if match is None:
-        raise InvalidRequest("completion_window must look like 24h or 30m", param="completion_window")
-    return int(match.group(1)) * (3600 if match.group(2) == "h" else 60)
+    """The completion window in seconds: a whole number of minutes, hours or days (`90m`,
+    `24h`, `7d`) from 1 hour to 7 days.
+
+    Raises:
+        InvalidRequest: not of that form, or outside the range.
+    """
+    match = re.fullmatch(r"([1-9][0-9]{0,5})([mhd])", window)
+    seconds = int(match.group(1)) * WINDOW_UNITS[match.group(2)] if match else 0
+    if not MIN_WINDOW_SECONDS <= seconds <= MAX_WINDOW_SECONDS:
+        raise InvalidRequest(
+            f"completion_window must be from 1h to 7d, written like 24h, 90m or 2d; got {window!r}",
+            param="completion_window",
+        )
+    return seconds
 
 
 class BatchService:

@@ -18,6 +18,8 @@ from app.models import ApiKey, Tenant
 from app.services.priority import PriorityBand
 
 KEY_PREFIX = "llmq-"
+# The largest fair-share weight an operator may give a tenant (the default is 1).
+MAX_SHARE_WEIGHT = 1000.0
 
 
 def hash_key(key: str) -> str:
@@ -133,6 +135,32 @@ class KeyService:
         if row is None:
             raise NotFound(f"no tenant {tenant!r}", param="tenant")
         return PriorityBand(row.priority_min, row.priority_max)
+
+    def set_share_weight(self, tenant: str, weight: float) -> float:
+        """Set a tenant's weight in the fair share of batch dispatch (default 1: a tenant
+        with weight 2 gets twice the lines of one with weight 1 while both have lines
+        waiting).
+
+        Raises:
+            NotFound: no such tenant.
+            ValueError: the weight is not in (0, MAX_SHARE_WEIGHT].
+        """
+        if not 0 < weight <= MAX_SHARE_WEIGHT:  # NaN fails this too
+            raise ValueError(f"a weight must be above 0 and at most {MAX_SHARE_WEIGHT:g}")
+        with self._db.session() as s:
+            row = s.scalar(select(Tenant).where(Tenant.id == tenant).with_for_update())
+            if row is None:
+                raise NotFound(f"no tenant {tenant!r}", param="tenant")
+            row.share_weight = weight
+        return weight
+
+    def share_weight(self, tenant: str) -> float:
+        """Raises NotFound: no such tenant."""
+        with self._db.session() as s:
+            weight = s.scalar(select(Tenant.share_weight).where(Tenant.id == tenant))
+        if weight is None:
+            raise NotFound(f"no tenant {tenant!r}", param="tenant")
+        return float(weight)
 
     def active(self, key_ids: list[str]) -> set[str]:
         """Which of `key_ids` still authenticate (exist and are not revoked)."""

@@ -1,4 +1,5 @@
-"""The feeder's selection rule (deficit round-robin) and the priority band, without stores."""
+"""The feeder's selection rule (weighted fair share of the lines in flight) and the
+priority band, without stores."""
 
 from __future__ import annotations
 
@@ -65,3 +66,25 @@ def test_a_demoted_tenant_defaults_to_its_band() -> None:
 def test_bands_stay_inside_the_documented_range(low: int, high: int) -> None:
     with pytest.raises(ValueError):
         PriorityBand(low, high)
+
+
+def test_weights_given_per_call_apply_at_once_and_override_the_defaults() -> None:
+    share = FairShare()
+    picks = share.pick({"a": 100, "b": 100}, room=30, weights={"b": 2.0})
+    assert picks.count("b") == 20 and picks.count("a") == 10
+    picks = share.pick({"a": 100, "b": 100}, room=30)  # back to equal
+    assert picks.count("b") == 15 and picks.count("a") == 15
+
+
+def test_a_newcomer_takes_each_freed_slot_until_it_holds_its_share() -> None:
+    """Tenant a holds 100 slots; 10 free up: all go to b, which holds none. Once b holds as
+    many as a, they alternate again."""
+    share = FairShare()
+    assert share.pick({"a": 1000, "b": 50}, room=10, out={"a": 90}) == ["b"] * 10
+    picks = share.pick({"a": 1000, "b": 40}, room=20, out={"a": 90, "b": 80})
+    assert picks[:10] == ["b"] * 10 and sorted(picks[10:]) == ["a"] * 5 + ["b"] * 5
+
+
+def test_weights_apply_to_the_slots_held() -> None:
+    picks = FairShare().pick({"a": 1000, "b": 1000}, room=40, weights={"a": 3.0}, out={"a": 30, "b": 10})
+    assert picks.count("a") == 30 and picks.count("b") == 10  # 60:20 after, 3:1
