@@ -21,6 +21,24 @@ class BatchInputLine(WireModel):
     body: ChatCompletionV2Request
 
 
+MIN_EXPIRY_SECONDS = 3600
+MAX_EXPIRY_SECONDS = 30 * 24 * 3600
+
+
+class ExpiresAfter(WireModel):
+    """OpenAI's file expiration policy (`expires_after` on an upload, `output_expires_after`
+    on a batch, where the anchor is the output file's creation)."""
+
+    anchor: Literal["created_at"]
+    seconds: int = Field(ge=MIN_EXPIRY_SECONDS, le=MAX_EXPIRY_SECONDS)
+
+
+class FileUploadOptions(WireModel):
+    """The multipart form's fields beside `file` and `purpose`."""
+
+    expires_after: ExpiresAfter | None = None
+
+
 class FileObject(WireModel):
     id: str
     object: Literal["file"] = "file"
@@ -66,6 +84,7 @@ class BatchCreate(WireModel):
     endpoint: str = Field(json_schema_extra={"enum": list(BATCH_ENDPOINTS)})
     completion_window: str = Field(pattern=r"^[1-9][0-9]{0,3}[mh]$")
     metadata: dict[str, str] | None = None
+    output_expires_after: ExpiresAfter | None = None
 
 
 class RequestCounts(WireModel):
