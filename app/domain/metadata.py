@@ -19,6 +19,14 @@ MAX_VALUE_CHARS = 512
 
 _FILTER = re.compile(r"^metadata\[(.*)\]$")
 
+_NO_NUL = "^[^\\u0000]*$"
+# The same rule for the OpenAPI document (request bodies and the list filters).
+JSON_SCHEMA: dict[str, Any] = {
+    "maxProperties": MAX_PAIRS,
+    "propertyNames": {"minLength": 1, "maxLength": MAX_KEY_CHARS, "pattern": _NO_NUL},
+    "additionalProperties": {"type": "string", "maxLength": MAX_VALUE_CHARS, "pattern": _NO_NUL},
+}
+
 
 def check_metadata(metadata: Mapping[str, Any] | None, *, param: str = "metadata") -> None:
     """Raises InvalidRequest naming the pair (`metadata.<key>`) that breaks a limit."""
@@ -30,9 +38,10 @@ def check_metadata(metadata: Mapping[str, Any] | None, *, param: str = "metadata
         where = f"{param}.{key[:MAX_KEY_CHARS]}"
         if not isinstance(value, str):
             raise InvalidRequest(f"{param} values are strings; {key!r} is not", param=where)
-        if len(key) > MAX_KEY_CHARS or len(value) > MAX_VALUE_CHARS:
+        if not key or len(key) > MAX_KEY_CHARS or len(value) > MAX_VALUE_CHARS:
             raise InvalidRequest(
-                f"{param} keys are at most {MAX_KEY_CHARS} characters, values {MAX_VALUE_CHARS}", param=where
+                f"{param} keys are 1 to {MAX_KEY_CHARS} characters, values at most {MAX_VALUE_CHARS}",
+                param=where,
             )
         if "\x00" in key or "\x00" in value:
             raise InvalidRequest(f"{param} holds a NUL character (U+0000)", param=where)

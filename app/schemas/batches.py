@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from app.domain.metadata import JSON_SCHEMA as METADATA_SCHEMA
 from app.schemas.base import WireModel
 from app.schemas.chat import ChatCompletionV2Request
 
@@ -83,7 +84,7 @@ class BatchCreate(WireModel):
     input_file_id: str = Field(min_length=1, max_length=128, pattern=r"^[^\x00]+$")
     endpoint: str = Field(json_schema_extra={"enum": list(BATCH_ENDPOINTS)})
     completion_window: str = Field(pattern=r"^[1-9][0-9]{0,3}[mh]$")
-    metadata: dict[str, str] | None = None
+    metadata: dict[str, str] | None = Field(default=None, json_schema_extra=METADATA_SCHEMA)
     output_expires_after: ExpiresAfter | None = None
 
 

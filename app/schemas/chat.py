@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
+from app.domain.metadata import JSON_SCHEMA as METADATA_SCHEMA
 from app.schemas.base import WireModel
 
 # --- content parts -------------------------------------------------------------------
@@ -248,6 +249,7 @@ class ChatCompletionV2Request(WireModel):
         default=None,
         description="Up to 16 string pairs stored with the job and returned on it; "
         "keys up to 64 characters, values up to 512. List filters: `metadata[key]=value`.",
+        json_schema_extra=METADATA_SCHEMA,
     )
     user: str | None = None
     service_tier: Literal["auto", "default", "flex"] | None = None

@@ -41,6 +41,7 @@ def test_metadata_limits_are_openais() -> None:
         ({"k" * 65: "v"}, "metadata." + "k" * 64),
         ({"k": "v" * 513}, "metadata.k"),
         ({"k": 3}, "metadata.k"),
+        ({"": "v"}, "metadata."),
         ({"k\x00": "v"}, "metadata.k\x00"),
     ]:
         with pytest.raises(InvalidRequest) as caught:
