@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import secrets
+import threading
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -14,11 +15,13 @@ import pytest
 from flask.testing import FlaskClient
 from sqlalchemy import text
 
+from app.api import create_app
 from app.cli.main import main as cli
-from app.container import Services
+from app.container import Services, build_services
+from app.errors import RateLimited
 from app.services.batch_lifecycle import BatchLifecycle
 from app.services.expiry import FileExpiry
-from tests.helpers import Stores, auth, create, jsonl, line, upload
+from tests.helpers import Stores, auth, create, jsonl, line, make_settings, upload
 
 
 def body(**fields: Any) -> dict[str, Any]:
@@ -395,10 +398,6 @@ def test_the_budget_is_per_model_and_zero_is_no_limit(
 
 
 def test_the_default_budget_comes_from_the_setting(stores: Stores) -> None:
-    from app.api import create_app
-    from app.container import build_services
-    from tests.helpers import make_settings
-
     services = build_services(make_settings(stores, batch_token_budget=50))
     try:
         client = create_app(services=services).test_client()
@@ -426,3 +425,43 @@ def test_operators_set_budgets_with_the_cli(
     assert services.keys.batch_token_budget(name) is None
     with pytest.raises(SystemExit):
         cli(["tenants", "set", name, "--batch-token-budget", "-5"])
+
+
+def test_concurrent_creates_never_overspend_the_budget(stores: Stores) -> None:
+    """Twelve creates at once against a budget that fits three: exactly three batches."""
+    services = build_services(make_settings(stores), db_pool_size=16)
+    try:
+        client_ = create_app(services=services).test_client()
+        name = f"tenant-race-budget-{secrets.token_hex(3)}"
+        key = services.keys.create_key(name)
+        file_id = upload(client_, key, jsonl([line(1, max_tokens=100)])).get_json()["id"]
+        with services.db.session() as s:
+            per_file = s.scalar(text("SELECT sum(tokens) FROM file_lines WHERE file_id = :f"), {"f": file_id})
+        services.keys.set_batch_token_budget(name, 3 * per_file + per_file // 2)
+        principal = services.keys.authenticate(key)
+        start = threading.Barrier(12)
+        outcomes: list[str] = []
+        payload = {"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+
+        def make() -> None:
+            start.wait()
+            try:
+                services.batches.create(principal, payload)
+                outcomes.append("created")
+            except RateLimited:
+                outcomes.append("429")
+
+        threads = [threading.Thread(target=make) for _ in range(12)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert outcomes.count("created") == 3 and outcomes.count("429") == 9
+        with services.db.session() as s:
+            held = s.scalar(
+                text("SELECT sum(budget_tokens) FROM jobs WHERE tenant_id = :t AND status = 'queued'"),
+                {"t": name},
+            )
+        assert held == 3 * per_file
+    finally:
+        services.close()
