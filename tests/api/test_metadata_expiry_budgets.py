@@ -465,3 +465,33 @@ def test_concurrent_creates_never_overspend_the_budget(stores: Stores) -> None:
         assert held == 3 * per_file
     finally:
         services.close()
+
+
+def test_the_workers_expiry_task_acts_only_while_it_holds_the_lock(
+    client: FlaskClient, services: Services, tenant
+) -> None:
+    from app.container import redis_client
+    from worker.expiry import ExpiryTask
+    from worker.leader import LeaseLock
+
+    key = tenant[1]
+    r = upload_expiring(
+        client, key, {"expires_after[anchor]": "created_at", "expires_after[seconds]": "3600"}
+    )
+    file_id = r.get_json()["id"]
+    with services.db.session() as s:
+        s.execute(
+            text("UPDATE files SET expires_at = now() - interval '1 second' WHERE id = :f"), {"f": file_id}
+        )
+    redis = redis_client(services.settings.require_redis_url())
+    name = f"expiry-test-{secrets.token_hex(3)}"
+    other = LeaseLock(redis, name, "other-worker", lease_seconds=10)
+    mine = ExpiryTask(
+        LeaseLock(redis, name, "me", lease_seconds=10), FileExpiry(services.db), interval_seconds=60
+    )
+    with other.hold() as held:
+        assert held
+        mine.tick()  # another worker holds it: nothing happens
+        assert client.get(f"/v1/files/{file_id}", headers=auth(key)).status_code == 200
+    mine.tick()
+    assert client.get(f"/v1/files/{file_id}", headers=auth(key)).status_code == 404
