@@ -268,13 +268,20 @@ class BatchService:
 
         Raises:
             NotFound: no such batch for this tenant.
-            Conflict: the batch is still running, or nothing in it failed.
+            Conflict: the batch is still running, nothing in it failed, or its input file
+                is gone (expired or deleted).
         """
         with self._db.session() as s:
             batch = load_owned(s, Batch, batch_id, principal.tenant_id)
             if batch.status in ACTIVE or batch.status == BatchStatus.FINALIZING.value:
                 raise Conflict(
                     f"batch {batch_id} is still {batch.status}", param="batch_id", code="batch_running"
+                )
+            if s.get(File, batch.input_file_id) is None:
+                raise Conflict(
+                    f"batch {batch_id}'s input file {batch.input_file_id} has expired or was deleted",
+                    param="batch_id",
+                    code="input_file_gone",
                 )
             file_id = new_id("file")
             s.add(
@@ -293,8 +300,8 @@ class BatchService:
                 s.execute(
                     text(
                         """
-                    INSERT INTO file_lines (file_id, line_no, custom_id, raw)
-                    SELECT :new, row_number() OVER (ORDER BY fl.line_no), fl.custom_id, fl.raw
+                    INSERT INTO file_lines (file_id, line_no, custom_id, raw, tokens)
+                    SELECT :new, row_number() OVER (ORDER BY fl.line_no), fl.custom_id, fl.raw, fl.tokens
                     FROM file_lines fl JOIN jobs j ON j.batch_id = :batch AND j.line_no = fl.line_no
                     WHERE fl.file_id = :old AND j.status IN ('failed', 'cancelled', 'expired')
                     """

@@ -167,10 +167,12 @@ def test_the_list_queries_can_use_the_metadata_indexes(services: Services, tenan
 # --- expiry -----------------------------------------------------------------------------
 
 
-def upload_expiring(client: FlaskClient, key: str, form: dict[str, Any]):  # type: ignore[no-untyped-def]
+def upload_expiring(  # type: ignore[no-untyped-def]
+    client: FlaskClient, key: str, form: dict[str, Any], lines: list[dict[str, Any]] | None = None
+):
     return client.post(
         "/v1/files",
-        data={"purpose": "batch", "file": (io.BytesIO(jsonl([line(1)])), "in.jsonl"), **form},
+        data={"purpose": "batch", "file": (io.BytesIO(jsonl(lines or [line(1)])), "in.jsonl"), **form},
         headers=auth(key),
         content_type="multipart/form-data",
     )
@@ -327,6 +329,36 @@ def test_a_child_batch_keeps_its_parents_output_expiry(
             text("SELECT output_expires_after FROM batches WHERE id = :b"), {"b": child.get_json()["id"]}
         )
     assert seconds == 3600
+    with services.db.session() as s:  # the child's lines keep the figures counted at upload
+        figures = (
+            s.execute(
+                text(
+                    "SELECT j.budget_tokens FROM jobs j WHERE j.batch_id = :b "
+                    "UNION ALL SELECT j.budget_tokens FROM jobs j WHERE j.batch_id = :p AND j.line_no = 2"
+                ),
+                {"b": child.get_json()["id"], "p": batch_id},
+            )
+            .scalars()
+            .all()
+        )
+    assert len(figures) == 2 and figures[0] == figures[1]
+
+
+def test_a_batch_whose_input_expired_cannot_be_retried(
+    client: FlaskClient, services: Services, tenant
+) -> None:
+    key = tenant[1]
+    form = {"expires_after[anchor]": "created_at", "expires_after[seconds]": "3600"}
+    file_id = upload_expiring(client, key, form, [line(1), line(2)]).get_json()["id"]
+    batch_id = create(client, key, file_id).get_json()["id"]
+    finish(services, batch_id)
+    with services.db.session() as s:
+        s.execute(
+            text("UPDATE files SET expires_at = now() - interval '1 second' WHERE id = :f"), {"f": file_id}
+        )
+    FileExpiry(services.db).expire_due()
+    r = client.post(f"/v1/batches/{batch_id}/retry", headers=auth(key))
+    assert r.status_code == 409 and r.get_json()["error"]["code"] == "input_file_gone"
 
 
 # --- token budgets ----------------------------------------------------------------------
