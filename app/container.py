@@ -209,6 +209,7 @@ def build_services(settings: Settings, *, db_pool_size: int | None = None) -> Se
             locks=locks,
             idempotency_ttl_seconds=settings.idempotency_ttl_seconds,
             max_active_lines_per_tenant=settings.max_active_batch_lines_per_tenant,
+            batch_token_budget=settings.batch_token_budget,
         ),
         health=HealthService(db, redis, served),
         metrics=MetricsService(db, redis, liveness, served),

@@ -19,6 +19,7 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
     func,
+    literal_column,
     text,
 )
 from sqlalchemy.dialects.postgresql import JSONB
@@ -55,6 +56,9 @@ class Tenant(Base):
     priority_max: Mapped[int] = mapped_column(Integer, server_default="100")
     # This tenant's weight in the feeder's fair share of batch dispatch (app/services/fair_share.py).
     share_weight: Mapped[float] = mapped_column(Float, server_default="1")
+    # Tokens this tenant may have enqueued per model in unfinished batches (app/services/
+    # budgets.py): None follows LLMQ_BATCH_TOKEN_BUDGET, 0 is no limit.
+    batch_token_budget: Mapped[int | None] = mapped_column(BigInteger)
 
 
 class ApiKey(Base):
@@ -113,6 +117,14 @@ class Job(Base):
             "tenant_id",
             postgresql_where=text("status IN ('queued','running') AND batch_id IS NOT NULL"),
         ),
+        # `?metadata[key]=value` filters: `metadata::jsonb @> {...}` (app/domain/metadata.py).
+        Index(
+            "ix_jobs_metadata",
+            literal_column("(metadata::jsonb)").label("metadata_jsonb"),
+            postgresql_using="gin",
+            postgresql_ops={"metadata_jsonb": "jsonb_path_ops"},
+            postgresql_where=text("metadata IS NOT NULL"),
+        ),
         # Batch lines out with the broker or running: what the feeder's window counts.
         Index(
             "ix_jobs_dispatched",
@@ -170,6 +182,9 @@ class Job(Base):
     deadline_at: Mapped[datetime | None]
     custom_id: Mapped[str | None] = mapped_column(Text)
     line_no: Mapped[int | None] = mapped_column(Integer)
+    # A batch line's tokens against its tenant's batch token budget while it is unfinished:
+    # prompt tokens plus the completion tokens it may generate (app/services/budgets.py).
+    budget_tokens: Mapped[int | None] = mapped_column(Integer)
 
 
 class File(Base):
@@ -177,7 +192,10 @@ class File(Base):
     whose content is generated from the batch's job rows when read."""
 
     __tablename__ = "files"
-    __table_args__ = (Index("ix_files_tenant_id_id", "tenant_id", "id"),)
+    __table_args__ = (
+        Index("ix_files_tenant_id_id", "tenant_id", "id"),
+        Index("ix_files_expires_at", "expires_at", postgresql_where=text("expires_at IS NOT NULL")),
+    )
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
@@ -189,6 +207,8 @@ class File(Base):
     # Set on output files: which batch's rows, and which of them ("output" or "errors").
     batch_id: Mapped[str | None] = mapped_column(String(40))
     batch_part: Mapped[str | None] = mapped_column(String(16))
+    # When the file is deleted (OpenAI's `expires_after`; app/services/expiry.py); None: kept.
+    expires_at: Mapped[datetime | None]
 
 
 class FileLine(Base):
@@ -200,6 +220,8 @@ class FileLine(Base):
     line_no: Mapped[int] = mapped_column(Integer, primary_key=True)
     custom_id: Mapped[str] = mapped_column(Text)
     raw: Mapped[str] = mapped_column(Text)
+    # The line's figure against the batch token budget, counted at upload (budgets.py).
+    tokens: Mapped[int | None] = mapped_column(Integer)
 
 
 class Batch(Base):
@@ -211,6 +233,13 @@ class Batch(Base):
             "ix_batches_active",
             "status",
             postgresql_where=text("status IN ('validating','in_progress','cancelling','finalizing')"),
+        ),
+        Index(
+            "ix_batches_metadata",
+            literal_column("(metadata::jsonb)").label("metadata_jsonb"),
+            postgresql_using="gin",
+            postgresql_ops={"metadata_jsonb": "jsonb_path_ops"},
+            postgresql_where=text("metadata IS NOT NULL"),
         ),
     )
 
@@ -229,6 +258,9 @@ class Batch(Base):
     parent_batch_id: Mapped[str | None] = mapped_column(String(40))
     idempotency_key: Mapped[str | None] = mapped_column(String(256))
     request_hash: Mapped[str | None] = mapped_column(String(64))
+    # OpenAI's `output_expires_after.seconds`: the output and error files expire this long
+    # after they are made, and the lines' texts with them. None: kept.
+    output_expires_after: Mapped[int | None] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(server_default=func.now())
     expires_at: Mapped[datetime]
     in_progress_at: Mapped[datetime | None]

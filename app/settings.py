@@ -167,6 +167,13 @@ class Settings(BaseSettings):
         ge=0,
         description="Unfinished batch lines per tenant, checked at batch creation; 0: no cap.",
     )
+    batch_token_budget: int = Field(
+        default=0,
+        ge=0,
+        description="Tokens a tenant may have enqueued per model in unfinished batches (prompt + "
+        "max_tokens per line), checked at batch creation; a tenant's own (`llmq tenants set "
+        "--batch-token-budget`) wins; 0: no limit.",
+    )
     max_streams_per_key: int = Field(
         default=32, ge=0, description="SSE streams and file downloads open at once per key; 0: no cap."
     )
@@ -203,6 +210,12 @@ class Settings(BaseSettings):
     # Reliability.
     lease_seconds: float = Field(default=30.0, gt=0)
     sweeper_interval_seconds: float = Field(default=5.0, gt=0)
+    expiry_interval_seconds: float = Field(
+        default=60.0, gt=0, description="How often a worker deletes files past their `expires_at`."
+    )
+    expiry_chunk_rows: int = Field(
+        default=1000, ge=1, description="Rows the file expiry deletes or clears per transaction."
+    )
     requeue_grace_seconds: float = Field(
         default=30.0, ge=0, description="Age after which a queued job with no message is re-sent."
     )

@@ -19,12 +19,14 @@ from app.events import JobEvents
 from app.liveness import Liveness
 from app.queue import JobQueue, create_producer
 from app.services.batch_lifecycle import BatchLifecycle
+from app.services.expiry import FileExpiry
 from app.services.health import absent_workers, live_capacity
 from app.services.sandbox import ConstraintSandbox
 from app.settings import Settings
 from worker.batches import BatchScheduler
 from worker.control import CancelListener, LeaseKeeper, Presence, RegistryHeartbeat
 from worker.engine import Engine, InstantEngine
+from worker.expiry import ExpiryTask
 from worker.leader import LeaseLock
 from worker.loop import LoopThread
 from worker.runner import JobRunner, RunnerConfig
@@ -164,6 +166,11 @@ class WorkerRuntime:
             ),
             tick_seconds=settings.batch_tick_seconds,
         )
+        self.expiry = ExpiryTask(
+            LeaseLock(self.redis, "expiry", self.name, lease_seconds=LEADER_LEASE_SECONDS),
+            FileExpiry(self.db, chunk=settings.expiry_chunk_rows),
+            interval_seconds=settings.expiry_interval_seconds,
+        )
         self.leases = LeaseKeeper(self.store, self.runner, self.name, settings.lease_seconds)
         self.cancels = CancelListener(self.redis, self.runner)
         self.heartbeat = RegistryHeartbeat(
@@ -199,7 +206,7 @@ class WorkerRuntime:
         log.info("engine ready", extra={"max_model_len": self.engine.max_model_len()})
         self.sampler.start()
         self.streams.start()
-        for part in (self.sweeper, self.batches, self.leases, self.cancels, self.heartbeat):
+        for part in (self.sweeper, self.batches, self.expiry, self.leases, self.cancels, self.heartbeat):
             part.start()
         threading.Thread(target=self._watch_engine, name="llmq-engine-watch", daemon=True).start()
 
@@ -228,6 +235,7 @@ class WorkerRuntime:
             self.cancels,
             self.leases,
             self.batches,
+            self.expiry,
             self.sweeper,
             self.sampler,
             self.streams,

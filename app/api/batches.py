@@ -6,6 +6,7 @@ from flask import Blueprint, Response, jsonify, request
 
 from app.api.deps import authenticate, idempotency, json_body, principal, services
 from app.api.files import _limit
+from app.domain.metadata import metadata_filter
 
 bp = Blueprint("batches", __name__)
 bp.before_request(authenticate)
@@ -21,7 +22,12 @@ def create_batch() -> Response:
 
 @bp.get("/v1/batches")
 def list_batches() -> Response:
-    page = services().batches.list(principal(), after=request.args.get("after"), limit=_limit(20))
+    page = services().batches.list(
+        principal(),
+        after=request.args.get("after"),
+        limit=_limit(20),
+        metadata=metadata_filter(request.args.items(multi=True)),
+    )
     return jsonify(page.model_dump(mode="json"))
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from typing import Any
 from urllib.parse import quote
 
 from flask import Blueprint, Response, jsonify, request, stream_with_context
@@ -30,6 +32,20 @@ def _limit(default: int) -> int:
         raise InvalidRequest(f"`limit` must be an integer, got {raw!r}", param="limit") from exc
 
 
+def _upload_options() -> dict[str, Any]:
+    """The form's `expires_after`: as the OpenAI SDKs send it (`expires_after[anchor]`,
+    `expires_after[seconds]`), or as one JSON field."""
+    form = request.form
+    if "expires_after" in form:
+        try:
+            return {"expires_after": json.loads(form["expires_after"])}
+        except ValueError as exc:
+            raise InvalidRequest("expires_after must be a JSON object", param="expires_after") from exc
+    prefix = "expires_after["
+    fields = {k[len(prefix) : -1]: v for k, v in form.items() if isinstance(k, str) and k.startswith(prefix)}
+    return {"expires_after": fields} if fields else {}
+
+
 @bp.post("/v1/files")
 def upload_file() -> Response:
     s = services()
@@ -39,7 +55,9 @@ def upload_file() -> Response:
     if upload is None:
         raise InvalidRequest("send the file as the multipart field `file`", param="file")
     purpose = request.form.get("purpose", "")
-    created = s.files.upload(principal(), upload.stream, upload.filename or "upload.jsonl", purpose)
+    created = s.files.upload(
+        principal(), upload.stream, upload.filename or "upload.jsonl", purpose, options=_upload_options()
+    )
     return jsonify(created.model_dump())
 
 

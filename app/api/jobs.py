@@ -6,6 +6,7 @@ from flask import Blueprint, Response, jsonify, request
 
 from app.api.chat import sse_response, take_slot
 from app.api.deps import authenticate, idempotency, json_body, principal, services
+from app.domain.metadata import metadata_filter
 from app.errors import InvalidRequest
 
 bp = Blueprint("jobs", __name__)
@@ -37,6 +38,7 @@ def list_jobs() -> Response:
         batch_id=request.args.get("batch_id"),
         after=request.args.get("after"),
         limit=limit,
+        metadata=metadata_filter(request.args.items(multi=True)),
     )
     return jsonify(page.model_dump(mode="json"))
 

@@ -9,6 +9,7 @@ from flask import Blueprint, Response, jsonify
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from app.domain import metadata as metadata_rule
 from app.domain.status import JobStatus
 from app.schemas.batches import (
     BatchCreate,
@@ -39,6 +40,10 @@ Route = tuple[
 _TEXT: dict[str, Any] = {"type": "string", "pattern": "^[^\\u0000]*$"}
 
 
+# `metadata[KEY]=VALUE` filters, several AND-ed (app/domain/metadata.py).
+_METADATA: Query = ("metadata", {"type": "object", **metadata_rule.JSON_SCHEMA})
+
+
 def _limit(most: int) -> Query:
     return ("limit", {"type": "integer", "minimum": 1, "maximum": most})
 
@@ -55,6 +60,7 @@ ROUTES: list[Route] = [
         [
             ("status", {"type": "string", "enum": [s.value for s in JobStatus]}),
             ("batch_id", _TEXT),
+            _METADATA,
             ("after", _TEXT),
             _limit(MAX_PAGE),
         ],
@@ -136,7 +142,7 @@ ROUTES: list[Route] = [
         None,
         {200: BatchList},
         [],
-        [("after", _TEXT), _limit(100)],
+        [_METADATA, ("after", _TEXT), _limit(100)],
     ),
     ("get", "/v1/batches/{batch_id}", "Read one batch", None, {200: BatchObject}, ["batch_id"], []),
     ("post", "/v1/batches/{batch_id}/cancel", "Cancel a batch", None, {200: BatchObject}, ["batch_id"], []),
@@ -159,6 +165,8 @@ _MULTIPART = {
         "properties": {
             "file": {"type": "string", "format": "binary"},
             "purpose": {"type": "string", "enum": ["batch"]},
+            "expires_after[anchor]": {"type": "string", "enum": ["created_at"]},
+            "expires_after[seconds]": {"type": "integer", "minimum": 3600, "maximum": 2592000},
         },
     }
 }
@@ -200,6 +208,13 @@ def _schemas() -> dict[str, Any]:
     return dict(top.get("$defs", {}))
 
 
+def _query(name: str, schema: dict[str, Any]) -> dict[str, Any]:
+    param = {"name": name, "in": "query", "required": False, "schema": schema}
+    if schema.get("type") == "object":  # sent as name[key]=value
+        param.update(style="deepObject", explode=True)
+    return param
+
+
 def _operation(route: Route) -> dict[str, Any]:
     method, _, summary, req, responses, path_params, query_params = route
     op: dict[str, Any] = {
@@ -207,7 +222,7 @@ def _operation(route: Route) -> dict[str, Any]:
         "operationId": f"{method}_{route[1].strip('/').replace('/', '_').replace('{', '').replace('}', '')}",
         "security": [{"bearer": []}],
         "parameters": [{"name": p, "in": "path", "required": True, "schema": _TEXT} for p in path_params]
-        + [{"name": q, "in": "query", "required": False, "schema": schema} for q, schema in query_params],
+        + [_query(q, schema) for q, schema in query_params],
         "responses": {},
     }
     form = _MULTIPART.get((method, route[1]))

@@ -252,19 +252,34 @@ def cmd_keys_revoke(args: argparse.Namespace) -> int:
 
 def cmd_tenants_set(args: argparse.Namespace) -> int:
     keys = _keys(args)
-    changing = args.priority_min is not None or args.priority_max is not None or args.weight is not None
-    if changing:
+    touched = (args.priority_min, args.priority_max, args.weight, args.batch_token_budget)
+    if any(v is not None for v in touched):
         keys.ensure_tenant(args.tenant)
-    if args.priority_min is not None or args.priority_max is not None:
-        keys.set_priority_band(args.tenant, args.priority_min, args.priority_max)
+    if args.priority_min is None and args.priority_max is None:
+        band = keys.priority_band(args.tenant)
+    else:
+        band = keys.set_priority_band(args.tenant, args.priority_min, args.priority_max)
     if args.weight is not None:
         keys.set_share_weight(args.tenant, args.weight)
-    band = keys.priority_band(args.tenant)
+    asked = args.batch_token_budget
+    if asked is not None:
+        keys.set_batch_token_budget(args.tenant, None if asked == "default" else int(asked))
+    own = keys.batch_token_budget(args.tenant)
+    tokens = own if own is not None else _settings(args).batch_token_budget
+    budget = f"{tokens} tokens per model" if tokens else "no limit"
+    source = "" if own is not None else " (LLMQ_BATCH_TOKEN_BUDGET)"
     print(
-        f"tenant {args.tenant}: priority {band.low}..{band.high} "
-        f"(lower runs earlier; default {band.default}); fair-share weight {keys.share_weight(args.tenant):g}"
+        f"tenant {args.tenant}: priority {band.low}..{band.high} (lower runs earlier; "
+        f"default {band.default}); fair-share weight {keys.share_weight(args.tenant):g}; "
+        f"batch token budget {budget}{source}"
     )
     return 0
+
+
+def _budget_arg(value: str) -> str:
+    if value == "default" or (value.isdigit() and int(value) >= 0):
+        return value
+    raise argparse.ArgumentTypeError("a number of tokens (0: no limit) or `default`")
 
 
 # --- models -----------------------------------------------------------------------------
@@ -370,8 +385,8 @@ def build_parser() -> argparse.ArgumentParser:
     tenants_sub = tenants.add_subparsers(dest="tenants_command", required=True, metavar="ACTION")
     ts = tenants_sub.add_parser(
         "set",
-        help="set the band of `priority` values a tenant's requests may use and its fair-share "
-        "weight (created if new); with no flags, print them",
+        help="set the band of `priority` values a tenant's requests may use, its fair-share "
+        "weight and its batch token budget (created if new); with no flags, print them",
     )
     ts.add_argument("tenant")
     ts.add_argument(
@@ -383,6 +398,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="the tenant's weight in the fair share of batch dispatch (default 1; 2 = twice the lines)",
+    )
+    ts.add_argument(
+        "--batch-token-budget",
+        type=_budget_arg,
+        default=None,
+        metavar="TOKENS",
+        help="tokens the tenant may have enqueued per model in unfinished batches (0: no limit; "
+        "`default`: follow LLMQ_BATCH_TOKEN_BUDGET)",
     )
     ts.add_argument("--data-dir", default=None, help="LLMQ_DATA_DIR by default")
     ts.set_defaults(func=cmd_tenants_set)

@@ -3,6 +3,9 @@ API (with its own token count, before queuing) and the worker (with the rendered
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 from app.errors import InvalidRequest
 from app.schemas.chat import ChatCompletionV2Request
 
@@ -29,3 +32,37 @@ def completion_budget(req: ChatCompletionV2Request, prompt_tokens: int, max_mode
             code="context_length_exceeded",
         )
     return asked if asked is not None else room
+
+
+# --- batch token budgets (app/services/budgets.py) --------------------------------------
+
+BYTES_PER_TOKEN = 4
+
+
+def estimate_prompt_tokens(req: ChatCompletionV2Request) -> int:
+    """Prompt tokens without the model's tokenizer: the UTF-8 bytes of the messages and
+    tools as JSON, over 4. English text runs at about 4 bytes a token, and the JSON's keys
+    and quotes stand in for the chat template's own tokens; text in scripts that tokenize
+    densely (CJK, digits) can take more than the estimate."""
+    parts: list[Any] = [m.model_dump(mode="json", exclude_none=True) for m in req.messages]
+    if req.tools:
+        parts.append([t.model_dump(mode="json", exclude_none=True) for t in req.tools])
+    size = len(json.dumps(parts, ensure_ascii=False).encode("utf-8"))
+    return -(-size // BYTES_PER_TOKEN)
+
+
+def line_tokens(
+    req: ChatCompletionV2Request, prompt_tokens: int, max_model_len: int | None, fallback: int
+) -> int:
+    """A batch line's figure against its tenant's batch token budget: its prompt tokens
+    plus the completion tokens it may generate: what it asked for (`max_completion_tokens`
+    or `max_tokens`), else the rest of the context when the context length is known, else
+    `fallback` (LLMQ_MAX_TOKENS_LIMIT)."""
+    asked = req.completion_limit()
+    if asked is not None:
+        completion = asked
+    elif max_model_len is not None:
+        completion = max(max_model_len - prompt_tokens, 0)
+    else:
+        completion = fallback
+    return prompt_tokens + completion

@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from app.domain.metadata import JSON_SCHEMA as METADATA_SCHEMA
 from app.schemas.base import WireModel
 from app.schemas.chat import ChatCompletionV2Request
 
@@ -19,6 +20,24 @@ class BatchInputLine(WireModel):
     method: Literal["POST"]
     url: str
     body: ChatCompletionV2Request
+
+
+MIN_EXPIRY_SECONDS = 3600
+MAX_EXPIRY_SECONDS = 30 * 24 * 3600
+
+
+class ExpiresAfter(WireModel):
+    """OpenAI's file expiration policy (`expires_after` on an upload, `output_expires_after`
+    on a batch, where the anchor is the output file's creation)."""
+
+    anchor: Literal["created_at"]
+    seconds: int = Field(ge=MIN_EXPIRY_SECONDS, le=MAX_EXPIRY_SECONDS)
+
+
+class FileUploadOptions(WireModel):
+    """The multipart form's fields beside `file` and `purpose`."""
+
+    expires_after: ExpiresAfter | None = None
 
 
 class FileObject(WireModel):
@@ -73,7 +92,8 @@ class BatchCreate(WireModel):
     endpoint: str = Field(json_schema_extra={"enum": list(BATCH_ENDPOINTS)})
     # From 1h to 7d; checked (with a message naming the range) by the service.
     completion_window: str = Field(max_length=16, json_schema_extra={"pattern": COMPLETION_WINDOW_PATTERN})
-    metadata: dict[str, str] | None = None
+    metadata: dict[str, str] | None = Field(default=None, json_schema_extra=METADATA_SCHEMA)
+    output_expires_after: ExpiresAfter | None = None
 
 
 class RequestCounts(WireModel):

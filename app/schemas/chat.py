@@ -7,7 +7,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from app.schemas.base import OpenModel, WireModel
+from app.domain.metadata import JSON_SCHEMA as METADATA_SCHEMA
+from app.schemas.base import WireModel
 
 # --- content parts -------------------------------------------------------------------
 
@@ -209,10 +210,6 @@ class WebSearchOptions(WireModel):
     search_context_size: Literal["low", "medium", "high"] | None = None
 
 
-class Metadata(OpenModel):
-    """Free-form string pairs stored with the job."""
-
-
 # --- the request ---------------------------------------------------------------------
 
 
@@ -248,7 +245,12 @@ class ChatCompletionV2Request(WireModel):
     parallel_tool_calls: bool | None = None
     function_call: Literal["none", "auto"] | FunctionCallOption | None = None
     functions: list[FunctionObject] | None = Field(default=None, max_length=128)
-    metadata: Metadata | None = None
+    metadata: dict[str, str] | None = Field(
+        default=None,
+        description="Up to 16 string pairs stored with the job and returned on it; "
+        "keys up to 64 characters, values up to 512. List filters: `metadata[key]=value`.",
+        json_schema_extra=METADATA_SCHEMA,
+    )
     user: str | None = None
     service_tier: Literal["auto", "default", "flex"] | None = None
 

@@ -9,7 +9,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import select, text, update
@@ -227,7 +227,11 @@ class BatchLifecycle:
 
     @staticmethod
     def _output_file(s: Any, batch: Batch, part: str, size: int) -> str:
+        """An output or error file's row; with `output_expires_after`, it expires (and the
+        lines' texts with it) that long after now, its creation (OpenAI's anchor)."""
         file_id = new_id("file")
+        created = datetime.now(UTC)
+        expires = batch.output_expires_after
         s.add(
             File(
                 id=file_id,
@@ -238,6 +242,8 @@ class BatchLifecycle:
                 line_count=0,
                 batch_id=batch.id,
                 batch_part=part,
+                created_at=created,
+                expires_at=created + timedelta(seconds=expires) if expires is not None else None,
             )
         )
         return file_id

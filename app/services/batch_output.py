@@ -19,6 +19,13 @@ from app.services.batch_transitions import LINE_ERRORS
 DOWNLOAD_PAGE_ROWS = 1000
 
 
+def part_statuses(part: str) -> list[str]:
+    """The statuses of the lines in a batch's output file (`part` "output") or error file."""
+    if part == "output":
+        return [JobStatus.SUCCEEDED.value]
+    return [JobStatus.FAILED.value, JobStatus.CANCELLED.value, JobStatus.EXPIRED.value]
+
+
 def output_lines(
     db: Database, batch_id: str, part: str, *, page: int = DOWNLOAD_PAGE_ROWS
 ) -> Iterator[bytes]:
@@ -26,15 +33,7 @@ def output_lines(
     rest), generated from its job rows in input order. Read in pages of `page` rows, each
     its own short query (keyset on the line number), so a slow reader holds no pooled
     connection between pages."""
-    statuses = (
-        [JobStatus.SUCCEEDED.value]
-        if part == "output"
-        else [
-            JobStatus.FAILED.value,
-            JobStatus.CANCELLED.value,
-            JobStatus.EXPIRED.value,
-        ]
-    )
+    statuses = part_statuses(part)
     after = -1
     while True:
         q = (

@@ -14,6 +14,7 @@ from app.domain.status import BatchStatus, JobStatus
 from app.errors import error_body, error_object, line_error
 from app.events import JobEvents, end_event
 from app.models import Batch, Tenant
+from app.services.budgets import LINE_TOKENS
 from app.services.priority import PriorityBand
 
 ACTIVE = (BatchStatus.VALIDATING.value, BatchStatus.IN_PROGRESS.value, BatchStatus.CANCELLING.value)
@@ -26,16 +27,16 @@ LINE_ERRORS = {
 }
 
 _CREATE_JOBS = text(
-    """
+    f"""
     INSERT INTO jobs (id, tenant_id, kind, status, priority, model, request, metadata, attempts, epoch,
-                      created_at, enqueued_at, batch_id, deadline_at, custom_id, line_no)
+                      created_at, enqueued_at, batch_id, deadline_at, custom_id, line_no, budget_tokens)
     SELECT 'job_' || :suffix || '_' || lpad(fl.line_no::text, 6, '0'), :tenant, 'chat', 'queued',
            coalesce((b->>'priority')::numeric::int, :default_priority), b->>'model', b, b->'metadata', 0, 0,
            now(), NULL,
-           :batch, :deadline, fl.custom_id, fl.line_no
+           :batch, :deadline, fl.custom_id, fl.line_no, {LINE_TOKENS}
     FROM file_lines fl, LATERAL (SELECT (fl.raw::json)->'body' AS b) body
     WHERE fl.file_id = :file
-    """
+    """  # noqa: S608 - LINE_TOKENS is a constant expression
 )
 
 # A batch's progress: its lines by status, with their token sums.

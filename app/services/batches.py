@@ -14,6 +14,7 @@ from sqlalchemy import select, text, update
 from sqlalchemy.exc import SQLAlchemyError
 
 from app.db import Database
+from app.domain.metadata import check_metadata
 from app.domain.status import BatchStatus, FilePurpose, JobStatus
 from app.errors import Conflict, InvalidRequest
 from app.events import JobEvents
@@ -40,16 +41,16 @@ from app.services.batch_transitions import (
     materialize,
     tell_ended,
 )
+from app.services.budgets import check_batch_tokens
 from app.services.idempotency import IdempotencyKey, IdempotencyLocks, find_replay
 from app.services.keys import Principal
+from app.services.metadata import has_metadata
 from app.services.ownership import load_owned
 from app.services.pagination import check_limit, newest_first, page_fields
 from app.services.parsing import parse_model
 from app.services.quotas import check_batch_lines
 
 log = logging.getLogger("llmq.batches")
-
-MAX_METADATA_PAIRS = 16
 
 # The first line asking for a priority outside the tenant's band.
 _OUT_OF_BAND = text(
@@ -107,12 +108,15 @@ class BatchService:
         locks: IdempotencyLocks | None = None,
         idempotency_ttl_seconds: int = 24 * 3600,
         max_active_lines_per_tenant: int = 0,
+        batch_token_budget: int = 0,
     ) -> None:
+        """`batch_token_budget`: the default per tenant and model (app/services/budgets.py)."""
         self._db = db
         self._events = events
         self._locks = locks
         self._idempotency_ttl = idempotency_ttl_seconds
         self._max_active_lines = max_active_lines_per_tenant
+        self._token_budget = batch_token_budget
 
     # --- create -------------------------------------------------------------------------
 
@@ -129,7 +133,8 @@ class BatchService:
         InvalidRequest: a line's `priority` is outside the tenant's band.
         NotFound: no such input file for this tenant.
         Conflict / Unprocessable: the idempotency key is in use, or was used with another body.
-        RateLimited: the tenant's unfinished batch lines would pass their cap.
+        RateLimited: the tenant's unfinished batch lines would pass their cap, or its
+            enqueued tokens for a model their budget (`token_limit_exceeded`).
         """
         if idem is None or self._locks is None:
             return self._create(principal, payload, parent, None)
@@ -148,7 +153,7 @@ class BatchService:
             raise InvalidRequest(
                 f"endpoint {req.endpoint!r} is not supported ({', '.join(BATCH_ENDPOINTS)})", param="endpoint"
             )
-        self._check_metadata(req.metadata)
+        check_metadata(req.metadata)
         seconds = window_seconds(req.completion_window)
         with self._db.session() as s:
             f = load_owned(s, File, req.input_file_id, principal.tenant_id, param="input_file_id")
@@ -175,6 +180,7 @@ class BatchService:
             if outside is not None:
                 band.resolve(int(outside.p), where=f"line {outside.line_no}: ")
             check_batch_lines(s, principal.tenant_id, f.line_count, self._max_active_lines)
+            check_batch_tokens(s, principal.tenant_id, f.id, self._token_budget)
             now = datetime.now(UTC)
             batch = Batch(
                 id=new_id("batch"),
@@ -184,6 +190,7 @@ class BatchService:
                 completion_window=req.completion_window,
                 status=BatchStatus.VALIDATING.value,
                 metadata_=req.metadata,
+                output_expires_after=req.output_expires_after.seconds if req.output_expires_after else None,
                 total=f.line_count,
                 parent_batch_id=parent,
                 idempotency_key=idem.key if idem else None,
@@ -206,18 +213,6 @@ class BatchService:
         )
         return self.get(principal, batch.id)
 
-    @staticmethod
-    def _check_metadata(metadata: dict[str, str] | None) -> None:
-        if not metadata:
-            return
-        if len(metadata) > MAX_METADATA_PAIRS:
-            raise InvalidRequest(f"metadata has {len(metadata)} pairs; the limit is 16", param="metadata")
-        for key, value in metadata.items():
-            if len(key) > 64 or len(value) > 512:
-                raise InvalidRequest(
-                    "metadata keys are at most 64 characters, values 512", param=f"metadata.{key[:64]}"
-                )
-
     # --- read ---------------------------------------------------------------------------
 
     def get(self, principal: Principal, batch_id: str) -> BatchObject:
@@ -227,9 +222,19 @@ class BatchService:
             model = s.scalar(select(Job.model).where(Job.batch_id == batch.id).limit(1))
         return to_batch_object(batch, counts, model)
 
-    def list(self, principal: Principal, *, after: str | None, limit: int) -> BatchList:
+    def list(
+        self,
+        principal: Principal,
+        *,
+        after: str | None,
+        limit: int,
+        metadata: dict[str, str] | None = None,
+    ) -> BatchList:
+        """Newest first; `metadata`: pairs each listed batch's metadata holds."""
         check_limit(limit, 100)
         q = select(Batch).where(Batch.tenant_id == principal.tenant_id)
+        if metadata:
+            q = q.where(*has_metadata(Batch.metadata_, metadata))
         with self._db.session() as s:
             batches, more = newest_first(s, q, Batch.id, after=after, limit=limit)
             page = [b.id for b in batches]
@@ -279,13 +284,20 @@ class BatchService:
 
         Raises:
             NotFound: no such batch for this tenant.
-            Conflict: the batch is still running, or nothing in it failed.
+            Conflict: the batch is still running, nothing in it failed, or its input file
+                is gone (expired or deleted).
         """
         with self._db.session() as s:
             batch = load_owned(s, Batch, batch_id, principal.tenant_id)
             if batch.status in ACTIVE or batch.status == BatchStatus.FINALIZING.value:
                 raise Conflict(
                     f"batch {batch_id} is still {batch.status}", param="batch_id", code="batch_running"
+                )
+            if s.get(File, batch.input_file_id) is None:
+                raise Conflict(
+                    f"batch {batch_id}'s input file {batch.input_file_id} has expired or was deleted",
+                    param="batch_id",
+                    code="input_file_gone",
                 )
             file_id = new_id("file")
             s.add(
@@ -304,8 +316,8 @@ class BatchService:
                 s.execute(
                     text(
                         """
-                    INSERT INTO file_lines (file_id, line_no, custom_id, raw)
-                    SELECT :new, row_number() OVER (ORDER BY fl.line_no), fl.custom_id, fl.raw
+                    INSERT INTO file_lines (file_id, line_no, custom_id, raw, tokens)
+                    SELECT :new, row_number() OVER (ORDER BY fl.line_no), fl.custom_id, fl.raw, fl.tokens
                     FROM file_lines fl JOIN jobs j ON j.batch_id = :batch AND j.line_no = fl.line_no
                     WHERE fl.file_id = :old AND j.status IN ('failed', 'cancelled', 'expired')
                     """
@@ -327,12 +339,14 @@ class BatchService:
                 ),
                 {"n": copied, "new": file_id},
             )
-        payload = {
+        payload: dict[str, Any] = {
             "input_file_id": file_id,
             "endpoint": batch.endpoint,
             "completion_window": batch.completion_window,
             "metadata": batch.metadata_,
         }
+        if batch.output_expires_after is not None:
+            payload["output_expires_after"] = {"anchor": "created_at", "seconds": batch.output_expires_after}
         return self.create(principal, payload, parent=batch_id)
 
 

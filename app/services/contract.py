@@ -13,10 +13,11 @@ import re
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from app.domain.budget import completion_budget
+from app.domain.budget import completion_budget, estimate_prompt_tokens, line_tokens
+from app.domain.metadata import check_metadata
 from app.domain.structured import Constraint, ConstraintLimits, check_limits, constraint_of
 from app.domain.tools import plan_tools
-from app.errors import InvalidRequest, NotFound, Unsupported
+from app.errors import InvalidRequest, LlmqError, NotFound, Unsupported
 from app.schemas.chat import ChatCompletionV2Request, ImagePart, TextPart
 from app.services.addresses import Resolver, system_resolver, url_refusal
 from app.settings import Settings
@@ -217,6 +218,7 @@ class RequestPolicy:
                 param="stream",
             )
         self._check_fields(req)
+        check_metadata(req.metadata)
         self._check_sampling(req)
         self._check_template(req)
         self._check_output(req)
@@ -367,6 +369,20 @@ class RequestPolicy:
                     f"content part type `{part.type}` is not supported: the served model is text-only",
                     param=f"{param}.type",
                 )
+
+    def budget_tokens(self, req: ChatCompletionV2Request) -> int:
+        """A batch line's figure against the batch token budget (app/domain/budget.py's
+        `line_tokens`), with the model's own prompt count when this API has its tokenizer
+        and the line brings no template of its own, else the estimate."""
+        prompt: int | None = None
+        if self._count_prompt is not None and req.chat_template is None:
+            try:
+                prompt = self._count_prompt(req)
+            except LlmqError:
+                prompt = None  # a line that cannot render fails on its own when it runs
+        if prompt is None:
+            prompt = estimate_prompt_tokens(req)
+        return line_tokens(req, prompt, self._max_model_len, self._settings.max_tokens_limit)
 
     def _check_prompt_length(self, req: ChatCompletionV2Request) -> None:
         if self._count_prompt is None or self._max_model_len is None or req.chat_template is not None:

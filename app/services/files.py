@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import IO, Any
 
 from pydantic import ValidationError
@@ -30,13 +30,14 @@ from app.schemas.batches import (
     FileDeleted,
     FileList,
     FileObject,
+    FileUploadOptions,
 )
 from app.services.batch_output import DOWNLOAD_PAGE_ROWS, output_lines
 from app.services.contract import RequestPolicy
 from app.services.keys import Principal
 from app.services.ownership import load_owned
 from app.services.pagination import check_limit, newest_first, page_fields
-from app.services.parsing import check_depth, decode_json, describe, error_param
+from app.services.parsing import check_depth, decode_json, describe, error_param, parse_model
 from app.settings import Settings
 
 log = logging.getLogger("llmq.files")
@@ -66,6 +67,7 @@ def to_file_object(f: File) -> FileObject:
         created_at=unix_time(f.created_at) or 0,
         filename=f.filename,
         purpose=f.purpose,
+        expires_at=unix_time(f.expires_at),
     )
 
 
@@ -78,8 +80,9 @@ class LineChecker:
         self._seen: set[str] = set()
         self.endpoints: set[str] = set()
 
-    def check(self, number: int, raw: bytes) -> tuple[str, str]:
-        """(custom_id, text) of a valid line. Raises LlmqError naming what is wrong."""
+    def check(self, number: int, raw: bytes) -> tuple[str, str, int]:
+        """(custom_id, text, tokens against the batch token budget) of a valid line. Raises
+        LlmqError naming what is wrong."""
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
@@ -128,7 +131,7 @@ class LineChecker:
             ) from exc
         self._seen.add(line.custom_id)
         self.endpoints.add(line.url)
-        return line.custom_id, text
+        return line.custom_id, text, self._policy.budget_tokens(line.body)
 
     def _strict_error(self, raw: bytes) -> InvalidRequest | None:
         """What the request body parser says about the line, naming the field that holds a
@@ -179,11 +182,21 @@ class FileService:
         self._policy = policy
         self._settings = settings
 
-    def upload(self, principal: Principal, stream: IO[bytes], filename: str, purpose: str) -> FileObject:
-        """Read, check and store an input file line by line (bounded memory).
+    def upload(
+        self,
+        principal: Principal,
+        stream: IO[bytes],
+        filename: str,
+        purpose: str,
+        *,
+        options: dict[str, Any] | None = None,
+    ) -> FileObject:
+        """Read, check and store an input file line by line (bounded memory). `options`:
+        the form's other fields (`expires_after`: the file is deleted that long after
+        its upload, by the workers' expiry task).
 
         Raises:
-            InvalidRequest: wrong purpose.
+            InvalidRequest: wrong purpose, a bad `expires_after`.
             UploadRejected: bad lines, every one reported with its number; nothing stored.
             PayloadTooLarge: over the line or byte limit.
         """
@@ -191,8 +204,11 @@ class FileService:
             raise InvalidRequest(f"purpose {purpose!r} is not accepted; use 'batch'", param="purpose")
         if "\x00" in filename:
             raise InvalidRequest("the file name holds a NUL character (U+0000)", param="file")
+        expiry = parse_model(FileUploadOptions, options or {}).expires_after
         checker = LineChecker(self._policy, max_depth=self._settings.max_json_depth)
         file_id = new_id("file")
+        created = datetime.now(UTC)
+        expires = created + timedelta(seconds=expiry.seconds) if expiry else None
         errors: list[BatchLineError] = []
         total = lines = 0
         raw_conn: Any = self._db.engine.raw_connection()
@@ -200,12 +216,12 @@ class FileService:
             conn = raw_conn.driver_connection
             with conn.transaction():
                 conn.execute(
-                    "INSERT INTO files (id, tenant_id, purpose, filename, bytes, line_count, created_at) "
-                    "VALUES (%s, %s, %s, %s, 0, 0, %s)",
-                    (file_id, principal.tenant_id, purpose, filename, datetime.now(UTC)),
+                    "INSERT INTO files (id, tenant_id, purpose, filename, bytes, line_count, created_at, "
+                    "expires_at) VALUES (%s, %s, %s, %s, 0, 0, %s, %s)",
+                    (file_id, principal.tenant_id, purpose, filename, created, expires),
                 )
                 with conn.cursor().copy(
-                    "COPY file_lines (file_id, line_no, custom_id, raw) FROM STDIN"
+                    "COPY file_lines (file_id, line_no, custom_id, raw, tokens) FROM STDIN"
                 ) as copy:
                     for number, raw in enumerate(
                         bounded_lines(stream, self._settings.max_line_bytes), start=1
@@ -222,7 +238,7 @@ class FileService:
                                 f"the file has more than {self._settings.max_batch_lines} lines"
                             )
                         try:
-                            custom_id, text = checker.check(number, line)
+                            custom_id, text, tokens = checker.check(number, line)
                         except LlmqError as exc:
                             errors.append(
                                 BatchLineError(
@@ -236,7 +252,7 @@ class FileService:
                                 break
                             continue
                         if not errors:
-                            copy.write_row((file_id, number, custom_id, text))
+                            copy.write_row((file_id, number, custom_id, text, tokens))
                     if errors:
                         raise UploadRejected(errors)
                     if lines == 0:
@@ -253,9 +269,10 @@ class FileService:
         return FileObject(
             id=file_id,
             bytes=total,
-            created_at=int(datetime.now(UTC).timestamp()),
+            created_at=unix_time(created) or 0,
             filename=filename,
             purpose=purpose,
+            expires_at=unix_time(expires),
         )
 
     def get(self, principal: Principal, file_id: str) -> File:

@@ -21,6 +21,7 @@ from app.schemas.jobs import JobList, JobObject
 from app.services.contract import RequestPolicy
 from app.services.idempotency import IdempotencyKey, IdempotencyLocks, find_replay
 from app.services.keys import Principal
+from app.services.metadata import has_metadata
 from app.services.ownership import load_owned
 from app.services.pagination import check_limit, newest_first, page_fields
 from app.services.parsing import parse_model
@@ -143,7 +144,7 @@ class JobService:
             "priority": request.effective_priority(),
             "model": request.model,
             "request": request.model_dump(mode="json", exclude_unset=True, by_alias=True),
-            "metadata_": request.metadata.model_dump() if request.metadata else None,
+            "metadata_": request.metadata or None,
             "attempts": 0,
             "epoch": 0,
             "created_at": now,
@@ -185,8 +186,10 @@ class JobService:
         batch_id: str | None = None,
         after: str | None = None,
         limit: int = 20,
+        metadata: dict[str, str] | None = None,
     ) -> JobList:
-        """Newest first; `after` is the last id of the previous page."""
+        """Newest first; `after` is the last id of the previous page; `metadata`: pairs each
+        listed job's metadata holds (app/domain/metadata.py's `metadata_filter`)."""
         check_limit(limit, MAX_PAGE)
         if status is not None and status not in {s.value for s in JobStatus}:
             raise InvalidRequest(f"unknown status {status!r}", param="status")
@@ -195,6 +198,8 @@ class JobService:
             q = q.where(Job.status == status)
         if batch_id:
             q = q.where(Job.batch_id == batch_id)
+        if metadata:
+            q = q.where(*has_metadata(Job.metadata_, metadata))
         with self._db.session() as s:
             rows, more = newest_first(s, q, Job.id, after=after, limit=limit)
         page = [to_job_object(j) for j in rows]

@@ -162,6 +162,30 @@ class KeyService:
             raise NotFound(f"no tenant {tenant!r}", param="tenant")
         return float(weight)
 
+    def set_batch_token_budget(self, tenant: str, tokens: int | None) -> None:
+        """The tenant's own batch token budget per model (app/services/budgets.py): 0 is no
+        limit, None follows LLMQ_BATCH_TOKEN_BUDGET.
+
+        Raises:
+            NotFound: no such tenant.
+            ValueError: a negative budget.
+        """
+        if tokens is not None and tokens < 0:
+            raise ValueError(f"a batch token budget is 0 (no limit) or more; got {tokens}")
+        with self._db.session() as s:
+            row = s.scalar(select(Tenant).where(Tenant.id == tenant).with_for_update())
+            if row is None:
+                raise NotFound(f"no tenant {tenant!r}", param="tenant")
+            row.batch_token_budget = tokens
+
+    def batch_token_budget(self, tenant: str) -> int | None:
+        """The tenant's own budget (None: it follows the setting). Raises NotFound."""
+        with self._db.session() as s:
+            row = s.execute(select(Tenant.batch_token_budget).where(Tenant.id == tenant)).first()
+        if row is None:
+            raise NotFound(f"no tenant {tenant!r}", param="tenant")
+        return None if row.batch_token_budget is None else int(row.batch_token_budget)
+
     def active(self, key_ids: list[str]) -> set[str]:
         """Which of `key_ids` still authenticate (exist and are not revoked)."""
         if not key_ids:

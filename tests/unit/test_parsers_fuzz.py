@@ -59,7 +59,7 @@ lines = st.fixed_dictionaries(
 )
 
 
-def check(raw: bytes, checker: LineChecker | None = None) -> tuple[str, str] | None:
+def check(raw: bytes, checker: LineChecker | None = None) -> tuple[str, str, int] | None:
     try:
         return (checker or LineChecker(POLICY)).check(1, raw)
     except LlmqError as exc:
@@ -78,8 +78,9 @@ def test_any_bytes_are_a_line_or_a_400(raw: bytes) -> None:
 def test_structured_lines_are_accepted_only_when_they_are_what_they_say(line: dict, tail: bytes) -> None:
     result = check(json.dumps(line).encode() + tail)
     if result is not None:
-        custom_id, text = result
+        custom_id, text, tokens = result
         parsed = json.loads(text)
+        assert tokens > 0
         assert parsed["custom_id"] == custom_id and isinstance(custom_id, str)
         assert parsed["method"] == "POST"
         assert parsed["url"] in ("/v1/chat/completions", "/v2/chat/completions")
