@@ -153,6 +153,7 @@ class WebhookService:
             NotFound: no such endpoint for this tenant.
             InvalidRequest: bad fields or a URL that may not receive webhooks.
         """
+        self.get(principal, endpoint_id)  # another tenant's id is a 404 whatever the body
         req = parse_model(WebhookEndpointUpdate, payload)
         if req.url is not None:
             self._check_url(req.url)
@@ -186,6 +187,7 @@ class WebhookService:
 
         Raises NotFound: no such endpoint for this tenant.
         """
+        self.get(principal, endpoint_id)
         req = parse_model(RotateSecret, payload if payload is not None else {})
         now = datetime.now(UTC)
         with self._db.session() as s:
