@@ -12,9 +12,11 @@ from pathlib import Path
 
 import httpx
 import openai
+import pytest
 import standardwebhooks
 from sqlalchemy import text
 
+from app.cli.main import main
 from tests.faults.conftest import MODEL, FaultStack
 from tests.helpers import ApiProcess, stack_env
 from tests.webhook_receiver import Receiver
@@ -42,7 +44,7 @@ def _outbox(fault_stack: FaultStack) -> dict[str, tuple[str, int]]:
 
 
 def test_w1_no_event_lost_across_api_and_worker_restarts_while_the_receiver_is_down(
-    fault_stack: FaultStack,
+    fault_stack: FaultStack, capsys: pytest.CaptureFixture[str]
 ) -> None:
     receiver = Receiver()  # down: nothing listens on its port yet
     api = _api(fault_stack, "api-1")
@@ -83,7 +85,6 @@ def test_w1_no_event_lost_across_api_and_worker_restarts_while_the_receiver_is_d
             time.sleep(0.2)
     finally:
         receiver.stop()
-        api.stop()
 
     sdk = openai.OpenAI(api_key="unused", base_url="http://127.0.0.1:9/v1")
     subjects = set()
@@ -99,3 +100,15 @@ def test_w1_no_event_lost_across_api_and_worker_restarts_while_the_receiver_is_d
     while any(status != "delivered" for status, _ in _outbox(fault_stack).values()):
         assert time.monotonic() < deadline, _outbox(fault_stack)
         time.sleep(0.2)
+
+    # What the API and `llmq webhooks deliveries` show after the restarts.
+    try:
+        with httpx.Client(base_url=api.url, headers=headers, timeout=30) as c:
+            listed = c.get(f"/v1/webhook_endpoints/{hook['id']}/deliveries", params={"limit": 100}).json()
+        assert {d["status"] for d in listed["data"]} == {"delivered"} and len(listed["data"]) == expected
+        assert all(d["attempts"] >= 3 for d in listed["data"])
+        assert main(["webhooks", "deliveries", hook["id"], "--url", api.url, "--key", fault_stack.key]) == 0
+        shown = capsys.readouterr().out.splitlines()
+        assert len(shown) == expected and all(" delivered " in row for row in shown)
+    finally:
+        api.stop()
