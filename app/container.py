@@ -15,6 +15,7 @@ from app.events import JobEvents
 from app.liveness import Liveness
 from app.queue import JobQueue, create_producer
 from app.schemas.chat import ChatCompletionV2Request
+from app.services.addresses import system_resolver
 from app.services.batches import BatchService
 from app.services.chat import ChatService
 from app.services.contract import RequestPolicy
@@ -29,6 +30,7 @@ from app.services.notifier import Notifier
 from app.services.sandbox import ConstraintSandbox
 from app.services.slots import StreamSlots
 from app.services.streaming import StreamService
+from app.services.webhooks import WebhookService
 from app.settings import Settings
 
 if TYPE_CHECKING:
@@ -54,6 +56,7 @@ class Services:
     limiter: RateLimiter
     slots: StreamSlots
     auth_failures: RateLimiter
+    webhooks: WebhookService
     constraints: ConstraintSandbox | None = None
     # The served model's context length: LLMQ_MAX_MODEL_LEN, else the model folder's config.
     max_model_len: int | None = None
@@ -225,5 +228,11 @@ def build_services(settings: Settings, *, db_pool_size: int | None = None) -> Se
             subject_name="failed authentications per minute reached for this client address",
         ),
         slots=StreamSlots(redis, per_key=settings.max_streams_per_key),
+        webhooks=WebhookService(
+            db,
+            system_resolver(settings.image_url_resolve_timeout_seconds),
+            allow_private=settings.webhook_allow_private,
+            max_endpoints_per_tenant=settings.webhook_max_endpoints_per_tenant,
+        ),
         max_model_len=model_context(settings),
     )

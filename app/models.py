@@ -22,7 +22,7 @@ from sqlalchemy import (
     literal_column,
     text,
 )
-from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from app.domain.status import JobKind, JobStatus
@@ -270,3 +270,56 @@ class Batch(Base):
     expired_at: Mapped[datetime | None]
     cancelling_at: Mapped[datetime | None]
     cancelled_at: Mapped[datetime | None]
+
+
+class WebhookEndpoint(Base):
+    """Where a tenant wants its events sent, and the secret they are signed with. The
+    secret is kept as given (it must be recovered to sign; see docs/API.md)."""
+
+    __tablename__ = "webhook_endpoints"
+    __table_args__ = (Index("ix_webhook_endpoints_tenant_id_id", "tenant_id", "id"),)
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    url: Mapped[str] = mapped_column(Text)
+    name: Mapped[str] = mapped_column(String(256), server_default="")
+    event_types: Mapped[list[str]] = mapped_column(ARRAY(String(64)))
+    secret: Mapped[str] = mapped_column(String(128))
+    # After a rotation that keeps the old secret for a while: it signs too until then.
+    previous_secret: Mapped[str | None] = mapped_column(String(128))
+    previous_secret_expires_at: Mapped[datetime | None]
+    created_at: Mapped[datetime] = mapped_column(server_default=func.now())
+    updated_at: Mapped[datetime] = mapped_column(server_default=func.now())
+
+
+class WebhookDelivery(Base):
+    """The outbox: one event for one endpoint, written in the transaction of the state
+    change that caused it (app/services/webhook_outbox.py), then sent at least once."""
+
+    __tablename__ = "webhook_deliveries"
+    __table_args__ = (
+        CheckConstraint("status IN ('pending','delivered','failed')", name="status_valid"),
+        # The deliverer's queue: what is due next.
+        Index(
+            "ix_webhook_deliveries_due",
+            "next_attempt_at",
+            postgresql_where=text("status = 'pending'"),
+        ),
+    )
+
+    endpoint_id: Mapped[str] = mapped_column(
+        ForeignKey("webhook_endpoints.id", ondelete="CASCADE"), primary_key=True
+    )
+    # The `webhook-id` header and the body's `id`: the same on every attempt and endpoint.
+    event_id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    type: Mapped[str] = mapped_column(String(64))
+    subject_id: Mapped[str] = mapped_column(String(40))
+    status: Mapped[str] = mapped_column(String(16), server_default="pending")
+    attempts: Mapped[int] = mapped_column(Integer, server_default="0")
+    created_at: Mapped[datetime] = mapped_column(server_default=func.now())
+    next_attempt_at: Mapped[datetime] = mapped_column(server_default=func.now())
+    last_attempt_at: Mapped[datetime | None]
+    last_status_code: Mapped[int | None] = mapped_column(Integer)
+    last_error: Mapped[str | None] = mapped_column(Text)
+    delivered_at: Mapped[datetime | None]
+    failed_at: Mapped[datetime | None]

@@ -13,6 +13,8 @@ from typing import Literal
 from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from app.domain.webhooks import RetrySchedule
+
 
 class Settings(BaseSettings):
     """Every knob llmq has. Defaults are what a single-machine deployment wants."""
@@ -249,6 +251,42 @@ class Settings(BaseSettings):
         default=20.0, ge=0, description="On SIGTERM, how long running jobs may finish."
     )
 
+    # Webhooks (see docs/API.md, "Webhooks").
+    webhook_allow_private: bool = Field(
+        default=False,
+        description="Let webhook endpoints point at loopback, private and link-local addresses "
+        "(receivers inside your own network); refused otherwise, at creation and at every attempt.",
+    )
+    webhook_max_endpoints_per_tenant: int = Field(
+        default=16, ge=1, description="Webhook endpoints per tenant."
+    )
+    webhook_connect_timeout_seconds: float = Field(
+        default=5.0, gt=0, description="Time a webhook attempt may take to connect."
+    )
+    webhook_timeout_seconds: float = Field(
+        default=10.0, gt=0, description="Time a webhook receiver may take to answer (each read or write)."
+    )
+    webhook_concurrency: int = Field(
+        default=8, ge=1, description="Webhook attempts in flight at once per worker process."
+    )
+    webhook_poll_seconds: float = Field(
+        default=1.0, gt=0, description="How often each worker looks for webhook deliveries that are due."
+    )
+    webhook_retry_base_seconds: float = Field(
+        default=5.0, gt=0, description="Wait after a webhook's first failed attempt; it doubles after each."
+    )
+    webhook_retry_cap_seconds: float = Field(
+        default=120.0, gt=0, description="Longest wait between attempts in an event's first hour."
+    )
+    webhook_retry_late_cap_seconds: float = Field(
+        default=3600.0, gt=0, description="Longest wait between attempts after an event's first hour."
+    )
+    webhook_retry_lifetime_seconds: float = Field(
+        default=3 * 86400.0,
+        gt=0,
+        description="How long an event is retried before its delivery is marked failed.",
+    )
+
     # Logging.
     log_level: str = "INFO"
     log_json: bool = False
@@ -281,6 +319,15 @@ class Settings(BaseSettings):
     def inflight_limit(self) -> int:
         """How many jobs one worker runs at once (vLLM's own figure is about 2x seqs)."""
         return self.max_inflight or 2 * self.max_num_seqs
+
+    @property
+    def webhook_schedule(self) -> RetrySchedule:
+        return RetrySchedule(
+            base=self.webhook_retry_base_seconds,
+            cap=self.webhook_retry_cap_seconds,
+            late_cap=self.webhook_retry_late_cap_seconds,
+            lifetime=self.webhook_retry_lifetime_seconds,
+        )
 
     def require_database_url(self) -> str:
         if not self.database_url:

@@ -17,11 +17,14 @@ from app.container import redis_client
 from app.db import Database
 from app.events import JobEvents
 from app.liveness import Liveness
+from app.periodic import Periodic
 from app.queue import JobQueue, create_producer
+from app.services.addresses import system_resolver
 from app.services.batch_lifecycle import BatchLifecycle
 from app.services.expiry import FileExpiry
 from app.services.health import absent_workers, live_capacity
 from app.services.sandbox import ConstraintSandbox
+from app.services.webhook_delivery import DeliveryConfig, WebhookDeliverer
 from app.settings import Settings
 from worker.batches import BatchScheduler
 from worker.control import CancelListener, LeaseKeeper, Presence, RegistryHeartbeat
@@ -177,6 +180,21 @@ class WorkerRuntime:
             self.redis, self.name, self.info, consuming, settings.worker_heartbeat_seconds
         )
         self.presence = Presence(self.redis, self.name, settings.worker_presence_ttl_seconds)
+        # Webhooks go out from every worker, on threads and connections of their own, so a
+        # slow receiver never holds a job thread or a job's database connection.
+        self.webhook_db = Database.from_url(settings.require_database_url(), pool_size=2)
+        self.deliverer = WebhookDeliverer(
+            self.webhook_db,
+            system_resolver(settings.image_url_resolve_timeout_seconds),
+            DeliveryConfig(
+                connect_timeout=settings.webhook_connect_timeout_seconds,
+                timeout=settings.webhook_timeout_seconds,
+                concurrency=settings.webhook_concurrency,
+                allow_private=settings.webhook_allow_private,
+                schedule=settings.webhook_schedule,
+            ),
+        )
+        self.webhooks = Periodic("llmq-webhooks", settings.webhook_poll_seconds, self.deliverer.tick, log=log)
         self._stopped = threading.Event()
 
     def _absent(self, owners: list[str]) -> set[str]:
@@ -206,7 +224,16 @@ class WorkerRuntime:
         log.info("engine ready", extra={"max_model_len": self.engine.max_model_len()})
         self.sampler.start()
         self.streams.start()
-        for part in (self.sweeper, self.batches, self.expiry, self.leases, self.cancels, self.heartbeat):
+        parts = (
+            self.sweeper,
+            self.batches,
+            self.expiry,
+            self.leases,
+            self.cancels,
+            self.heartbeat,
+            self.webhooks,
+        )
+        for part in parts:
             part.start()
         threading.Thread(target=self._watch_engine, name="llmq-engine-watch", daemon=True).start()
 
@@ -230,6 +257,7 @@ class WorkerRuntime:
     def stop(self) -> None:
         self._stopped.set()
         for part in (
+            self.webhooks,
             self.presence,
             self.heartbeat,
             self.cancels,
@@ -247,4 +275,6 @@ class WorkerRuntime:
         except Exception as exc:  # noqa: BLE001 - shutting down anyway
             log.warning("engine close failed", extra={"error": str(exc)})
         self.loop.stop()
+        self.deliverer.close()
+        self.webhook_db.dispose()
         self.db.dispose()

@@ -18,6 +18,7 @@ from app.db import Database
 from app.domain.status import JobStatus
 from app.liveness import set_enqueued
 from app.models import Job
+from app.services.webhook_outbox import FINISH_EVENTS, new_event_id, record_jobs
 
 _RUNNING = JobStatus.RUNNING.value
 
@@ -85,8 +86,10 @@ _CLAIM = text(
 # The rows travel as one JSON array of arrays whose documents are JSON strings: `->>` gives
 # each document's own text, cast to json as is, so U+0000 (which a model can produce and
 # `jsonb` refuses) survives; one json.dumps in C beats psycopg escaping text arrays.
-_FINISH = text(
-    """
+# A single job that ends gets its webhook events in the same statement: an event id is
+# made for every row (microseconds), used only by single jobs whose tenant has an endpoint.
+_FINISH_UPDATE = """
+    WITH done AS (
     UPDATE jobs AS j SET
       status = v.status,
       response = CASE WHEN v.status = 'queued' THEN j.response ELSE CAST(v.response AS json) END,
@@ -105,13 +108,14 @@ _FINISH = text(
       lease_expires_at = NULL
     FROM (
       SELECT r->>0 AS id, (r->>1)::bigint AS epoch, r->>2 AS status, r->>3 AS response, r->>4 AS error,
-             r->>5 AS usage, r->>6 AS stats, r->>7 AS power, r->>8 AS events
+             r->>5 AS usage, r->>6 AS stats, r->>7 AS power, r->>8 AS events, r->>9 AS event_id
       FROM json_array_elements(CAST(:rows AS json)) AS r
     ) AS v
     WHERE j.id = v.id AND j.epoch = v.epoch AND j.status = 'running'
-    RETURNING j.id
-    """
-)
+    RETURNING j.id, j.tenant_id, j.status, j.batch_id, v.event_id
+    ),
+"""
+_FINISH = text(_FINISH_UPDATE + FINISH_EVENTS + "SELECT id FROM done")  # noqa: S608 - constants
 
 
 def _doc(value: Any) -> str | None:
@@ -166,6 +170,7 @@ class JobStore:
                 _doc(r.generation_stats),
                 _doc(r.power_usage),
                 _doc(r.events),
+                new_event_id(),
             ]
             for r in results
         ]
@@ -240,12 +245,13 @@ class JobStore:
                 ELSE error END,
               lease_owner = NULL, lease_expires_at = NULL, enqueued_at = NULL
             WHERE id IN ({which})
-            RETURNING id, status, model, priority, batch_id, epoch, error
+            RETURNING id, status, model, priority, batch_id, epoch, error, tenant_id
             """  # noqa: S608 - `which` is one of two constant statements above
         )
         with self._db.session() as s:
             rows = s.execute(sql, params).all()
-        return [Expired(*r) for r in rows]
+            record_jobs(s, [(r.tenant_id, r.id, r.status, r.batch_id) for r in rows])
+        return [Expired(*r[:7]) for r in rows]
 
     def undispatch(self, job_ids: list[str]) -> None:
         """Batch lines given back unclaimed go back to the feeder (app/liveness.py, row 2)."""

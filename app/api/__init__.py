@@ -18,7 +18,7 @@ def create_app(settings: Settings | None = None, *, services: Services | None = 
     Raises:
         TypeError: both `settings` and `services` were given.
     """
-    from app.api import batches, chat, errors, files, health, jobs, models, openapi
+    from app.api import batches, chat, errors, files, health, jobs, models, openapi, webhooks
     from app.logs import configure_logging
 
     if settings is not None and services is not None:
@@ -31,7 +31,7 @@ def create_app(settings: Settings | None = None, *, services: Services | None = 
 
     errors.register(app)
     app.before_request(_refuse_nul)
-    for blueprint in (health.bp, jobs.bp, chat.bp, files.bp, batches.bp, models.bp, openapi.bp):
+    for blueprint in (health.bp, jobs.bp, chat.bp, files.bp, batches.bp, models.bp, webhooks.bp, openapi.bp):
         app.register_blueprint(blueprint)
     return app
 

@@ -11,6 +11,7 @@ from pydantic.json_schema import models_json_schema
 
 from app.domain import metadata as metadata_rule
 from app.domain.status import JobStatus
+from app.domain.webhooks import DeliveryStatus
 from app.schemas.batches import (
     BatchCreate,
     BatchInputLine,
@@ -24,7 +25,19 @@ from app.schemas.batches import (
 from app.schemas.chat import ChatCompletionV2Request
 from app.schemas.completion import BenchChatCompletion, ChatCompletion, ChatCompletionChunk, RecordedStream
 from app.schemas.jobs import ErrorResponse, JobList, JobObject, ModelList
+from app.schemas.webhooks import (
+    RotateSecret,
+    WebhookDeliveryList,
+    WebhookEndpointCreate,
+    WebhookEndpointDeleted,
+    WebhookEndpointList,
+    WebhookEndpointObject,
+    WebhookEndpointUpdate,
+    WebhookEndpointWithSecret,
+    WebhookEvent,
+)
 from app.services.jobs import MAX_PAGE
+from app.services.webhooks import MAX_PAGE as WEBHOOK_PAGE
 
 bp = Blueprint("openapi", __name__)
 
@@ -155,6 +168,73 @@ ROUTES: list[Route] = [
         ["batch_id"],
         [],
     ),
+    (
+        "post",
+        "/v1/webhook_endpoints",
+        "Create a webhook endpoint (its signing secret is shown once)",
+        WebhookEndpointCreate,
+        {200: WebhookEndpointWithSecret},
+        [],
+        [],
+    ),
+    (
+        "get",
+        "/v1/webhook_endpoints",
+        "List webhook endpoints, newest first",
+        None,
+        {200: WebhookEndpointList},
+        [],
+        [("after", _TEXT), _limit(WEBHOOK_PAGE)],
+    ),
+    (
+        "get",
+        "/v1/webhook_endpoints/{endpoint_id}",
+        "Read one webhook endpoint",
+        None,
+        {200: WebhookEndpointObject},
+        ["endpoint_id"],
+        [],
+    ),
+    (
+        "post",
+        "/v1/webhook_endpoints/{endpoint_id}",
+        "Change a webhook endpoint's url, event types or name",
+        WebhookEndpointUpdate,
+        {200: WebhookEndpointObject},
+        ["endpoint_id"],
+        [],
+    ),
+    (
+        "delete",
+        "/v1/webhook_endpoints/{endpoint_id}",
+        "Delete a webhook endpoint and its deliveries",
+        None,
+        {200: WebhookEndpointDeleted},
+        ["endpoint_id"],
+        [],
+    ),
+    (
+        "post",
+        "/v1/webhook_endpoints/{endpoint_id}/rotate_secret",
+        "A new signing secret, shown once",
+        RotateSecret,
+        {200: WebhookEndpointWithSecret},
+        ["endpoint_id"],
+        [],
+    ),
+    (
+        "get",
+        "/v1/webhook_endpoints/{endpoint_id}/deliveries",
+        "An endpoint's events and their delivery, newest first",
+        None,
+        {200: WebhookDeliveryList},
+        ["endpoint_id"],
+        [
+            ("status", {"type": "string", "enum": [d.value for d in DeliveryStatus]}),
+            ("after", _TEXT),
+            _limit(WEBHOOK_PAGE),
+        ],
+    ),
 ]
 
 # Routes whose body is a multipart form, not JSON.
@@ -189,6 +269,7 @@ _STREAMED: dict[tuple[str, str], tuple[str, list[type[BaseModel]]]] = {
 }
 
 _EXTRA_MODELS: list[type[BaseModel]] = [
+    WebhookEvent,
     ChatCompletion,
     BenchChatCompletion,
     ChatCompletionChunk,

@@ -60,6 +60,10 @@ class LlmqClient:
     def cancel_batch(self, batch_id: str) -> dict[str, Any]:
         return dict(self.request("POST", f"/v1/batches/{batch_id}/cancel"))
 
+    def webhooks(self, method: str, path: str = "", **kwargs: Any) -> dict[str, Any]:
+        """`/v1/webhook_endpoints` + `path`."""
+        return dict(self.request(method, f"/v1/webhook_endpoints{path}", **kwargs))
+
     def download(self, file_id: str, path: Path) -> int:
         """Stream a file's content to `path`; returns the number of lines."""
         lines = 0

@@ -217,6 +217,43 @@ def cmd_batch_download(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- webhooks ---------------------------------------------------------------------------
+
+
+def cmd_webhooks_create(args: argparse.Namespace) -> int:
+    from app.cli.webhooks import create
+
+    create(_client(args), args.url, args.event, args.name)
+    return 0
+
+
+def cmd_webhooks_list(args: argparse.Namespace) -> int:
+    from app.cli.webhooks import list_endpoints
+
+    list_endpoints(_client(args))
+    return 0
+
+
+def cmd_webhooks_delete(args: argparse.Namespace) -> int:
+    _client(args).webhooks("DELETE", f"/{args.endpoint_id}")
+    print(f"webhook endpoint {args.endpoint_id} deleted")
+    return 0
+
+
+def cmd_webhooks_rotate(args: argparse.Namespace) -> int:
+    from app.cli.webhooks import rotate
+
+    rotate(_client(args), args.endpoint_id, keep_old=args.keep_old)
+    return 0
+
+
+def cmd_webhooks_deliveries(args: argparse.Namespace) -> int:
+    from app.cli.webhooks import deliveries
+
+    deliveries(_client(args), args.endpoint_id, status=args.status, limit=args.limit)
+    return 0
+
+
 # --- keys -------------------------------------------------------------------------------
 
 
@@ -445,6 +482,38 @@ def build_parser() -> argparse.ArgumentParser:
             )
         client_args(bp)
         bp.set_defaults(func=func)
+
+    hooks = sub.add_parser("webhooks", help="signed webhooks when batches and jobs end")
+    hooks_sub = hooks.add_subparsers(dest="webhooks_command", required=True, metavar="ACTION")
+    wc = hooks_sub.add_parser("create", help="add an endpoint; prints its signing secret once")
+    wc.add_argument("url")
+    wc.add_argument(
+        "--event",
+        action="append",
+        default=None,
+        help="an event type to send (repeatable; default: all): batch.completed, batch.failed, "
+        "batch.expired, batch.cancelled, job.succeeded, job.failed, job.cancelled",
+    )
+    wc.add_argument("--name", default="", help="a label for the endpoint")
+    client_args(wc)
+    wc.set_defaults(func=cmd_webhooks_create)
+    wl = hooks_sub.add_parser("list", help="list endpoints (secrets as hints only)")
+    client_args(wl)
+    wl.set_defaults(func=cmd_webhooks_list)
+    for name, func, text in (
+        ("delete", cmd_webhooks_delete, "delete an endpoint and its pending deliveries"),
+        ("rotate", cmd_webhooks_rotate, "a new signing secret, printed once"),
+        ("deliveries", cmd_webhooks_deliveries, "an endpoint's events: status, attempts, last error"),
+    ):
+        wp = hooks_sub.add_parser(name, help=text)
+        wp.add_argument("endpoint_id")
+        if name == "rotate":
+            wp.add_argument("--keep-old", action="store_true", help="the old secret signs too for 24 hours")
+        if name == "deliveries":
+            wp.add_argument("--status", choices=["pending", "delivered", "failed"], default=None)
+            wp.add_argument("--limit", type=int, default=20)
+        client_args(wp)
+        wp.set_defaults(func=func)
 
     model = sub.add_parser("model", help="build or prepare model folders")
     model_sub = model.add_subparsers(dest="model_command", required=True, metavar="ACTION")

@@ -21,9 +21,11 @@ from app.ids import new_id
 from app.liveness import OUT_BY_TENANT, OWED_BY_TENANT, OWED_MODELS, TAKE_OWED, owed_order
 from app.models import Batch, File
 from app.queue import JobQueue
+from app.services import webhook_outbox
 from app.services.batch_output import output_lines
 from app.services.batch_transitions import BATCH_COUNTS, end_lines, materialize, tell_ended
 from app.services.fair_share import FairShare
+from app.services.webhook_outbox import Event
 
 log = logging.getLogger("llmq.batches")
 
@@ -215,6 +217,8 @@ class BatchLifecycle:
                 values = {"status": BatchStatus.COMPLETED.value, "completed_at": now}
             for key, value in values.items():
                 setattr(batch, key, value)
+            # The batch's webhook event commits with its final status.
+            webhook_outbox.record(s, [Event(batch.tenant_id, f"batch.{values['status']}", batch.id)])
         log.info(
             "batch finalized",
             extra={

@@ -53,13 +53,14 @@ def output_lines(
 
 def output_line(job_id: str, custom_id: str, status: str, response: Any, error: Any) -> dict[str, Any]:
     """One `BatchOutputLine`: a succeeded job's completion, a failed job's error body (as
-    the HTTP response it would have been), or an ended line's `{code, message}`."""
+    the HTTP response it would have been), or an ended line's `{code, message}`. A line
+    whose text has expired (app/services/expiry.py) keeps its place with an empty body."""
     line_id = "batch_req_" + job_id.removeprefix("job_")
     if status == JobStatus.SUCCEEDED.value:
         line = BatchOutputLine(
             id=line_id,
             custom_id=custom_id,
-            response=OutputResponse(status_code=200, request_id=job_id, body=response),
+            response=OutputResponse(status_code=200, request_id=job_id, body=response or {}),
         )
     elif status in LINE_ERRORS:
         line = BatchOutputLine(

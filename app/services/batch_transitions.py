@@ -14,8 +14,10 @@ from app.domain.status import BatchStatus, JobStatus
 from app.errors import error_body, error_object, line_error
 from app.events import JobEvents, end_event
 from app.models import Batch, Tenant
+from app.services import webhook_outbox
 from app.services.budgets import LINE_TOKENS
 from app.services.priority import PriorityBand
+from app.services.webhook_outbox import Event
 
 ACTIVE = (BatchStatus.VALIDATING.value, BatchStatus.IN_PROGRESS.value, BatchStatus.CANCELLING.value)
 LINE_ERRORS = {
@@ -84,7 +86,7 @@ def fail_validating(db: Database, batch_id: str) -> None:
     """End a batch whose lines could not be turned into jobs (the caller got an error)."""
     error = line_error("batch_not_created", "the batch's requests could not be created")
     with db.session() as s:
-        s.execute(
+        failed = s.execute(
             update(Batch)
             .where(Batch.id == batch_id, Batch.status == BatchStatus.VALIDATING.value)
             .values(
@@ -92,7 +94,10 @@ def fail_validating(db: Database, batch_id: str) -> None:
                 failed_at=datetime.now(UTC),
                 errors={"object": "list", "data": [error]},
             )
-        )
+            .returning(Batch.tenant_id)
+        ).first()
+        if failed is not None:
+            webhook_outbox.record(s, [Event(failed.tenant_id, "batch.failed", batch_id)])
 
 
 def tell_ended(events: JobEvents, ended: list[tuple[str, int, str]], status: JobStatus) -> None:

@@ -26,6 +26,7 @@ from app.services.ownership import load_owned
 from app.services.pagination import check_limit, newest_first, page_fields
 from app.services.parsing import parse_model
 from app.services.quotas import check_single_jobs
+from app.services.webhook_outbox import record_jobs
 
 log = logging.getLogger("llmq.jobs")
 
@@ -231,6 +232,8 @@ class JobService:
                 .values(status=JobStatus.CANCELLED.value, cancelled_at=now, cancel_requested_at=now)
                 .returning(Job.epoch)
             ).first()
+            if was_queued is not None:
+                record_jobs(s, [(job.tenant_id, job_id, JobStatus.CANCELLED.value, job.batch_id)])
             s.execute(
                 update(Job)
                 .where(Job.id == job_id, Job.status == JobStatus.RUNNING.value)

@@ -8,15 +8,16 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from app.errors import NotFound
-from app.models import Batch, File, Job
+from app.models import Batch, File, Job, WebhookEndpoint
 
-Owned = TypeVar("Owned", Job, Batch, File)
+Owned = TypeVar("Owned", Job, Batch, File, WebhookEndpoint)
 
 # OpenAI's wording for each kind, and the parameter that named it.
 _MISSING: dict[type, tuple[str, str]] = {
     Job: ("No job found with id '{}'", "job_id"),
     Batch: ("No such Batch object: {}", "batch_id"),
     File: ("No such File object: {}", "file_id"),
+    WebhookEndpoint: ("No such webhook endpoint: {}", "webhook_endpoint_id"),
 }
 
 

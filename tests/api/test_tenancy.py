@@ -49,12 +49,23 @@ def owned(app: Flask, services) -> dict[str, str]:  # type: ignore[no-untyped-de
         json={"input_file_id": f["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"},
         headers=auth(key),
     ).get_json()
-    return {"job_id": job["id"], "file_id": f["id"], "batch_id": batch["id"], "key": key}
+    hook = client.post(
+        "/v1/webhook_endpoints",
+        json={"url": "https://93.184.216.34/hooks", "event_types": ["batch.completed"], "name": SECRET},
+        headers=auth(key),
+    ).get_json()
+    return {
+        "job_id": job["id"],
+        "file_id": f["id"],
+        "batch_id": batch["id"],
+        "endpoint_id": hook["id"],
+        "key": key,
+    }
 
 
 def call(client: FlaskClient, method: str, rule: str, ids: dict[str, str], headers: dict[str, str]):  # type: ignore[no-untyped-def]
     path = rule
-    for name in ("job_id", "file_id", "batch_id"):
+    for name in ("job_id", "file_id", "batch_id", "endpoint_id"):
         path = path.replace(f"<{name}>", ids[name])
     json_body = {
         "model": "api-only",
@@ -116,11 +127,17 @@ def test_x1_every_id_of_tenant_a_is_404_for_tenant_b(app: Flask, services, owned
     )
     if r.status_code != 404:
         wrong.append(("POST", "/v1/batches with A's file", r.status_code, r.get_data()[:200]))
-    for path in ("/v2/jobs?limit=100", f"/v2/jobs?batch_id={owned['batch_id']}", "/v1/files", "/v1/batches"):
+    for path in (
+        "/v2/jobs?limit=100",
+        f"/v2/jobs?batch_id={owned['batch_id']}",
+        "/v1/files",
+        "/v1/batches",
+        "/v1/webhook_endpoints",
+    ):
         r = client.get(path, headers=other)
         body = r.get_data()
         if (
-            any(owned[k].encode() in body for k in ("job_id", "file_id", "batch_id"))
+            any(owned[k].encode() in body for k in ("job_id", "file_id", "batch_id", "endpoint_id"))
             or SECRET.encode() in body
         ):
             wrong.append(("GET", path, r.status_code, body[:200]))
