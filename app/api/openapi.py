@@ -149,7 +149,10 @@ ROUTES: list[Route] = [
         None,
         {200: None},
         ["batch_id"],
-        [("after", _TEXT), ("follow", {"type": "boolean"})],
+        [
+            ("after", {"type": "string", "pattern": "^[0-9]{1,18}\\.[0-9]{1,9}$"}),
+            ("follow", {"type": "boolean"}),
+        ],
     ),
     (
         "post",

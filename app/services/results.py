@@ -72,7 +72,7 @@ from app.services.streaming import KeyWatch
 log = logging.getLogger("llmq.results")
 
 ENDED = frozenset({BatchStatus.COMPLETED, BatchStatus.FAILED, BatchStatus.EXPIRED, BatchStatus.CANCELLED})
-_CURSOR = re.compile(r"^([0-9]{1,19})\.([0-9]{1,9})$")
+_CURSOR = re.compile(r"^([0-9]{1,18})\.([0-9]{1,9})$")
 _NO_LIMIT = 2**63 - 1
 
 # The batch's status and its last releasable line, read with one snapshot (see above).
