@@ -233,14 +233,17 @@ class ResultsService:
                         yield frame(line, str(at))
                         cursor, sent = at, True
             except SQLAlchemyError as exc:
-                # The database is busy or away: the stream waits and asks again.
-                log.warning(
-                    "results could not be read", extra={"batch_id": batch_id, "error": type(exc).__name__}
-                )
+                _busy(batch_id, exc)
                 horizon = None
             if horizon is not None and horizon.ended:
-                yield from self._end(principal, batch_id)
-                return
+                try:
+                    batch = self._batches.get(principal, batch_id)
+                except SQLAlchemyError as exc:
+                    _busy(batch_id, exc)
+                else:
+                    yield named_frame("batch", batch.model_dump(mode="json"))
+                    yield DONE
+                    return
             if sent:
                 next_heartbeat = time.monotonic() + self._heartbeat
             wake_at = min(next_heartbeat, next_key_check, time.monotonic() + self._poll)
@@ -248,11 +251,6 @@ class ResultsService:
             if time.monotonic() >= next_heartbeat:
                 yield HEARTBEAT
                 next_heartbeat = time.monotonic() + self._heartbeat
-
-    def _end(self, principal: Principal, batch_id: str) -> Iterator[str]:
-        batch = self._batches.get(principal, batch_id)
-        yield named_frame("batch", batch.model_dump(mode="json"))
-        yield DONE
 
     # --- reads --------------------------------------------------------------------------
 
@@ -291,3 +289,8 @@ class ResultsService:
                 yield start, output_line(row.id, row.custom_id, row.status, row.response, row.error)
             if len(rows) < self._page:
                 return
+
+
+def _busy(batch_id: str, exc: SQLAlchemyError) -> None:
+    # The database is busy or away: a followed stream waits and asks again.
+    log.warning("results could not be read", extra={"batch_id": batch_id, "error": type(exc).__name__})

@@ -39,30 +39,33 @@ def upgrade() -> None:
         unique=False,
         postgresql_where=sa.text(FINISHED),
     )
+    # The conditions are the triggers' WHEN clauses, so that the function runs only for
+    # the rows it changes (a batch's creation inserts thousands of queued lines at once).
     op.execute(
-        f"""
+        """
         CREATE FUNCTION llmq_jobs_finished_xid() RETURNS trigger LANGUAGE plpgsql AS $$
         BEGIN
-          IF NEW.batch_id IS NOT NULL AND NEW.status IN {TERMINAL} THEN
-            IF TG_OP = 'INSERT' THEN
-              NEW.finished_xid := pg_current_xact_id()::text::bigint;
-            ELSIF OLD.status NOT IN {TERMINAL} THEN
-              NEW.finished_xid := pg_current_xact_id()::text::bigint;
-            END IF;
-          END IF;
+          NEW.finished_xid := pg_current_xact_id()::text::bigint;
           RETURN NEW;
         END
         $$
         """
     )
     op.execute(
-        "CREATE TRIGGER jobs_finished_xid BEFORE INSERT OR UPDATE OF status ON jobs "
-        "FOR EACH ROW EXECUTE FUNCTION llmq_jobs_finished_xid()"
+        "CREATE TRIGGER jobs_finished_xid_insert BEFORE INSERT ON jobs FOR EACH ROW "
+        f"WHEN (NEW.batch_id IS NOT NULL AND NEW.status IN {TERMINAL}) "
+        "EXECUTE FUNCTION llmq_jobs_finished_xid()"
+    )
+    op.execute(
+        "CREATE TRIGGER jobs_finished_xid_update BEFORE UPDATE OF status ON jobs FOR EACH ROW "
+        f"WHEN (NEW.batch_id IS NOT NULL AND NEW.status IN {TERMINAL} AND OLD.status NOT IN {TERMINAL}) "
+        "EXECUTE FUNCTION llmq_jobs_finished_xid()"
     )
 
 
 def downgrade() -> None:
-    op.execute("DROP TRIGGER jobs_finished_xid ON jobs")
+    op.execute("DROP TRIGGER jobs_finished_xid_update ON jobs")
+    op.execute("DROP TRIGGER jobs_finished_xid_insert ON jobs")
     op.execute("DROP FUNCTION llmq_jobs_finished_xid()")
     op.drop_index("ix_jobs_batch_finished", table_name="jobs", postgresql_where=sa.text(FINISHED))
     op.drop_column("jobs", "finished_xid")
