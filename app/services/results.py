@@ -27,7 +27,9 @@ and only lines with `finished_xid < horizon` are released. Proof: a line L that 
 visible to the snapshot and commits later belongs to a transaction that was open at the
 snapshot (its id is in the list, so >= horizon) or began after it (id >= xmax >= horizon).
 Every released line has `finished_xid < horizon`, so L's cursor is larger than all of them.
-Lines of one transaction share its id and commit together; `line_no` orders them.
+Lines of one transaction share its id and commit together; `line_no` orders them. (The id
+stored is the top-level transaction's, `pg_current_xact_id()`, the kind the snapshot lists;
+a savepoint does not change it.)
 
 Open transactions of other databases on the same server cannot write this database's jobs;
 an id that `pg_stat_activity` shows as another database's backend is left out of the
@@ -38,7 +40,8 @@ ended after it began, until it commits.
 
 When the batch has ended (`completed`, `failed`, `expired`, `cancelled`), the batch row
 became terminal only after the finalizer saw every line ended, so no line of it will ever
-commit again, and everything visible is released.
+commit again, and everything visible is released (by the same proof, a line held back
+before has a larger cursor than every line released before).
 
 A read first takes this horizon and the last releasable cursor `last` (one short
 statement), then sends the lines in `(after, last]` in pages of short keyset queries, each
