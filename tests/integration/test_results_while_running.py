@@ -113,6 +113,7 @@ def test_results_are_a_growing_prefix_that_ends_equal_to_the_files(stores: Store
         assert batch["status"] == "completed", batch
         while_running = {len(s) for s in snapshots[:-1] if 0 < len(s) < N}
         assert len(while_running) >= 3, f"results grew while the batch ran: sizes {sorted(while_running)}"
+        print(f"results sizes while running: {[len(x) for x in snapshots]}")
 
         final = snapshots[-1]
         files: list[bytes] = []
