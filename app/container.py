@@ -27,9 +27,10 @@ from app.services.keys import KeyService
 from app.services.limits import RateLimiter
 from app.services.metrics import MetricsService
 from app.services.notifier import Notifier
+from app.services.results import ResultsService
 from app.services.sandbox import ConstraintSandbox
 from app.services.slots import StreamSlots
-from app.services.streaming import StreamService
+from app.services.streaming import KeyWatch, StreamService
 from app.services.webhooks import WebhookService
 from app.settings import Settings
 
@@ -51,6 +52,7 @@ class Services:
     chat: ChatService
     files: FileService
     batches: BatchService
+    results: ResultsService
     health: HealthService
     metrics: MetricsService
     limiter: RateLimiter
@@ -194,6 +196,22 @@ def build_services(settings: Settings, *, db_pool_size: int | None = None) -> Se
         heartbeat_seconds=settings.sse_heartbeat_seconds,
         key_check_seconds=settings.stream_key_check_seconds,
     )
+    batches = BatchService(
+        db,
+        events,
+        locks=locks,
+        idempotency_ttl_seconds=settings.idempotency_ttl_seconds,
+        max_active_lines_per_tenant=settings.max_active_batch_lines_per_tenant,
+        batch_token_budget=settings.batch_token_budget,
+    )
+    results = ResultsService(
+        db,
+        batches,
+        KeyWatch(keys, settings.stream_key_check_seconds),
+        poll_seconds=settings.results_poll_seconds,
+        heartbeat_seconds=settings.sse_heartbeat_seconds,
+        key_check_seconds=settings.stream_key_check_seconds,
+    )
     return Services(
         settings=settings,
         db=db,
@@ -206,14 +224,8 @@ def build_services(settings: Settings, *, db_pool_size: int | None = None) -> Se
         streams=streams,
         chat=ChatService(jobs, streams, wait_seconds=settings.sync_wait_seconds),
         files=FileService(db, policy, settings),
-        batches=BatchService(
-            db,
-            events,
-            locks=locks,
-            idempotency_ttl_seconds=settings.idempotency_ttl_seconds,
-            max_active_lines_per_tenant=settings.max_active_batch_lines_per_tenant,
-            batch_token_budget=settings.batch_token_budget,
-        ),
+        batches=batches,
+        results=results,
         health=HealthService(db, redis, served),
         metrics=MetricsService(db, redis, liveness, served),
         limiter=RateLimiter(

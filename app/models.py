@@ -134,6 +134,14 @@ class Job(Base):
                 "(status = 'running' OR (status = 'queued' AND enqueued_at IS NOT NULL))"
             ),
         ),
+        # A batch's ended lines in the order they ended: `/v1/batches/<id>/results`.
+        Index(
+            "ix_jobs_batch_finished",
+            "batch_id",
+            "finished_xid",
+            "line_no",
+            postgresql_where=text("finished_xid IS NOT NULL"),
+        ),
     )
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
@@ -185,6 +193,9 @@ class Job(Base):
     # A batch line's tokens against its tenant's batch token budget while it is unfinished:
     # prompt tokens plus the completion tokens it may generate (app/services/budgets.py).
     budget_tokens: Mapped[int | None] = mapped_column(Integer)
+    # The transaction (xid8) that ended the batch line, set by the trigger of migration
+    # 20261201_0012 (0 for lines that ended before it): app/services/results.py.
+    finished_xid: Mapped[int | None] = mapped_column(BigInteger)
 
 
 class File(Base):

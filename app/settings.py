@@ -234,6 +234,11 @@ class Settings(BaseSettings):
     stream_key_check_seconds: float = Field(
         default=5.0, gt=0, description="How often an open stream re-checks that its key is still valid."
     )
+    results_poll_seconds: float = Field(
+        default=1.0,
+        gt=0,
+        description="How often a followed `/v1/batches/<id>/results` asks Postgres for newly ended lines.",
+    )
     db_pool_size: int = Field(
         default=10, ge=1, description="Pooled Postgres connections per API process (as many again overflow)."
     )

@@ -160,6 +160,20 @@ ROUTES: list[Route] = [
     ("get", "/v1/batches/{batch_id}", "Read one batch", None, {200: BatchObject}, ["batch_id"], []),
     ("post", "/v1/batches/{batch_id}/cancel", "Cancel a batch", None, {200: BatchObject}, ["batch_id"], []),
     (
+        "get",
+        "/v1/batches/{batch_id}/results",
+        "Lines ended so far, in the order they ended (JSONL; `X-Llmq-Cursor` is the last "
+        "line's cursor for `after`); with `follow=true` or `Accept: text/event-stream`, SSE "
+        "until the batch ends (`Last-Event-ID` resumes)",
+        None,
+        {200: None},
+        ["batch_id"],
+        [
+            ("after", {"type": "string", "pattern": "^[0-9]{1,18}\\.[0-9]{1,9}$"}),
+            ("follow", {"type": "boolean"}),
+        ],
+    ),
+    (
         "post",
         "/v1/batches/{batch_id}/retry",
         "A child batch of the failed and expired lines",
@@ -262,10 +276,15 @@ _ERRORS = {
 }
 # Bodies that are not one JSON document: each SSE `data:` line of a stream is a chunk (or
 # an `ErrorResponse`); each line of a file is a `BatchInputLine` (an uploaded file) or a
-# `BatchOutputLine` (a batch's output or error file).
-_STREAMED: dict[tuple[str, str], tuple[str, list[type[BaseModel]]]] = {
-    ("get", "/v2/jobs/{job_id}/stream"): ("text/event-stream", [ChatCompletionChunk, ErrorResponse]),
-    ("get", "/v1/files/{file_id}/content"): ("application/jsonl", [BatchInputLine, BatchOutputLine]),
+# `BatchOutputLine` (a batch's output or error file); a batch's results are output lines,
+# and followed, end with its `batch` event.
+_STREAMED: dict[tuple[str, str], list[tuple[str, list[type[BaseModel]]]]] = {
+    ("get", "/v2/jobs/{job_id}/stream"): [("text/event-stream", [ChatCompletionChunk, ErrorResponse])],
+    ("get", "/v1/files/{file_id}/content"): [("application/jsonl", [BatchInputLine, BatchOutputLine])],
+    ("get", "/v1/batches/{batch_id}/results"): [
+        ("application/jsonl", [BatchOutputLine]),
+        ("text/event-stream", [BatchOutputLine, BatchObject, ErrorResponse]),
+    ],
 }
 
 _EXTRA_MODELS: list[type[BaseModel]] = [
@@ -320,8 +339,10 @@ def _operation(route: Route) -> dict[str, Any]:
             {"application/json": {"schema": {"$ref": _REF.format(model=model.__name__)}}} if model else {}
         )
         if model is None and streamed is not None:
-            refs = [{"$ref": _REF.format(model=m.__name__)} for m in streamed[1]]
-            content = {streamed[0]: {"schema": {"anyOf": refs}}}
+            content = {
+                mime: {"schema": {"anyOf": [{"$ref": _REF.format(model=m.__name__)} for m in models]}}
+                for mime, models in streamed
+            }
         op["responses"][str(status)] = {"description": "OK", "content": content}
     for status, text in _ERRORS.items():
         op["responses"][str(status)] = {

@@ -1,10 +1,12 @@
-"""`llmq batch submit|status|cancel|download`: the Batch API from the command line."""
+"""`llmq batch submit|status|cancel|download|tail`: the Batch API from the command line."""
 
 from __future__ import annotations
 
+import json
+import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from tqdm import tqdm
 
@@ -68,3 +70,33 @@ def submit(client: LlmqClient, path: Path, *, window: str, wait: bool) -> dict[s
     stem = path.with_suffix("") if path.suffix == ".jsonl" else path
     download(client, batch, stem)
     return batch
+
+
+def tail(
+    client: LlmqClient, batch_id: str, *, after: str | None = None, out: TextIO | None = None
+) -> dict[str, Any] | None:
+    """Print the batch's ended lines (output-file lines, one JSON per line) as they come,
+    until the batch ends; a summary and the cursor to resume from go to stderr. Returns
+    the ended batch (None if the stream stopped before it ended)."""
+    out = out or sys.stdout
+    cursor, lines = after, 0
+    try:
+        for event in client.follow_results(batch_id, after=after):
+            if event.line is not None:
+                out.write(json.dumps(event.line, ensure_ascii=False) + "\n")
+                out.flush()
+                cursor, lines = event.cursor, lines + 1
+            elif event.batch is not None:
+                counts = event.batch["request_counts"]
+                print(
+                    f"batch {batch_id} {event.batch['status']}: {lines} lines shown; "
+                    f"{counts['completed']} succeeded, {counts['failed']} failed in all",
+                    file=sys.stderr,
+                )
+                return event.batch
+    except KeyboardInterrupt:
+        if cursor:
+            print(f"\nresume with: llmq batch tail {batch_id} --after {cursor}", file=sys.stderr)
+        raise
+    print(f"batch {batch_id}: the stream kept dropping; resume with --after {cursor}", file=sys.stderr)
+    return None

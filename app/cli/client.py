@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +20,37 @@ class ApiError(RuntimeError):
         super().__init__(f"HTTP {status}: {message}{param}")
         self.status = status
         self.body = body
+
+
+@dataclass(frozen=True)
+class ResultEvent:
+    """One event of a followed batch's results: a line (with its cursor), or, last, the
+    ended batch (`line` None)."""
+
+    cursor: str | None
+    line: dict[str, Any] | None = None
+    batch: dict[str, Any] | None = None
+
+
+def sse_events(lines: Iterator[str]) -> Iterator[tuple[str | None, str | None, str]]:
+    """(id, event name, data) per server-sent event; comments (keep-alives) skipped."""
+    event_id: str | None = None
+    name: str | None = None
+    data: list[str] = []
+    for raw in lines:
+        if raw == "":
+            if data:
+                yield event_id, name, "\n".join(data)
+            event_id, name, data = None, None, []
+            continue
+        field, _, value = raw.partition(":")
+        value = value.removeprefix(" ")
+        if field == "id":
+            event_id = value
+        elif field == "event":
+            name = value
+        elif field == "data":
+            data.append(value)
 
 
 class LlmqClient:
@@ -63,6 +98,41 @@ class LlmqClient:
     def webhooks(self, method: str, path: str = "", **kwargs: Any) -> dict[str, Any]:
         """`/v1/webhook_endpoints` + `path`."""
         return dict(self.request(method, f"/v1/webhook_endpoints{path}", **kwargs))
+
+    def follow_results(
+        self, batch_id: str, *, after: str | None = None, reconnects: int = 5
+    ) -> Iterator[ResultEvent]:
+        """A batch's ended lines as they come (after cursor `after`), then the ended batch.
+        A dropped connection is resumed after the last line received (`Last-Event-ID`);
+        after `reconnects` drops in a row without an event, the iterator just stops.
+
+        Raises:
+            ApiError: the service refused (no such batch, a revoked key, ...).
+        """
+        cursor, failures = after, 0
+        while failures <= reconnects:
+            headers = {"Accept": "text/event-stream", **({"Last-Event-ID": cursor} if cursor else {})}
+            try:
+                with self._http.stream("GET", f"/v1/batches/{batch_id}/results", headers=headers) as r:
+                    if r.status_code >= 400:
+                        r.read()
+                        raise ApiError(r.status_code, r.json())
+                    for event_id, name, data in sse_events(r.iter_lines()):
+                        failures = 0
+                        if data == "[DONE]":
+                            return
+                        body = json.loads(data)
+                        if name == "batch":
+                            yield ResultEvent(cursor, batch=body)
+                        elif "error" in body and "custom_id" not in body:
+                            raise ApiError(200, body)
+                        else:
+                            cursor = event_id or cursor
+                            yield ResultEvent(cursor, line=body)
+            except httpx.TransportError:
+                pass
+            failures += 1  # the connection dropped (or closed) before the end
+            time.sleep(min(2.0**failures, 30.0))
 
     def download(self, file_id: str, path: Path) -> int:
         """Stream a file's content to `path`; returns the number of lines."""

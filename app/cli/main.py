@@ -217,6 +217,13 @@ def cmd_batch_download(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_batch_tail(args: argparse.Namespace) -> int:
+    from app.cli.batch import tail
+
+    batch = tail(_client(args), args.batch_id, after=args.after)
+    return 0 if batch is not None else 1
+
+
 # --- webhooks ---------------------------------------------------------------------------
 
 
@@ -482,6 +489,13 @@ def build_parser() -> argparse.ArgumentParser:
             )
         client_args(bp)
         bp.set_defaults(func=func)
+    bt_ = batch_sub.add_parser(
+        "tail", help="print a batch's lines as they end (JSONL on stdout) until the batch ends"
+    )
+    bt_.add_argument("batch_id")
+    bt_.add_argument("--after", default=None, help="a cursor printed by an earlier tail: skip up to it")
+    client_args(bt_)
+    bt_.set_defaults(func=cmd_batch_tail)
 
     hooks = sub.add_parser("webhooks", help="signed webhooks when batches and jobs end")
     hooks_sub = hooks.add_subparsers(dest="webhooks_command", required=True, metavar="ACTION")

@@ -17,6 +17,11 @@ def frame(data: Mapping[str, Any], event_id: str) -> str:
     return f"id: {event_id}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
 
 
+def named_frame(event: str, data: Mapping[str, Any]) -> str:
+    """An event with a name (`event:`), for what is not one of the stream's items."""
+    return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
 def revoked() -> Iterator[str]:
     error = error_object("the API key was revoked", "authentication_error", code="invalid_api_key")
     yield f"data: {json.dumps({'error': error})}\n\n"
