@@ -9,10 +9,13 @@ dispatch follows the capacity the model's live workers registered.
 A worker's capacity is the jobs it runs at once (`LLMQ_MAX_INFLIGHT`, 2 x max_num_seqs by
 default), so `headroom` above 1 leaves each worker its next lines already in hand (in
 Redis or in a task thread waiting for a slot) when a chunk finishes: no engine slot waits
-for the feeder's next tick. Every worker added adds its capacity to the window, so batch
-throughput grows with the fleet; a worker that goes takes its share out within the
-feeder's capacity cache (2 s). A model with no live worker still gets `cold_window` lines
-sent (scale from zero: a worker that starts finds them at once), never the whole batch.
+for the feeder's next tick. The price: those extra lines wait in the workers, beyond the
+reach of the feeder's fair share between tenants (a headroom of 1 keeps every waiting line
+in the feeder, at the cost of a tick of idle slots as chunks end). Every worker added adds
+its capacity to the window, so batch throughput grows with the fleet; a worker that goes
+takes its share out within the feeder's capacity cache (2 s). A model with no live worker
+still gets `cold_window` lines sent (scale from zero: a worker that starts finds them at
+once), never the whole batch.
 
 Chunks stay at most a quarter of the smallest worker's capacity: a worker that takes a
 message holds its lines until it has room for them, and the broker hands messages to the
