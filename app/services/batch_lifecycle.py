@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -24,6 +24,7 @@ from app.queue import JobQueue
 from app.services import webhook_outbox
 from app.services.batch_output import output_lines
 from app.services.batch_transitions import BATCH_COUNTS, end_lines, materialize, tell_ended
+from app.services.dispatch import DispatchPlan, dispatch_plan
 from app.services.fair_share import FairShare
 from app.services.webhook_outbox import Event
 
@@ -39,15 +40,22 @@ class FeedReport:
 
 
 class BatchLifecycle:
+    """`capacities(model)`: the in-flight capacity of each live worker serving `model`
+    (the registry); the window and chunk follow from it (app/services/dispatch.py), with
+    `window` as a ceiling. Without `capacities`, `window` (else `cold_window`) and `chunk`
+    are fixed."""
+
     def __init__(
         self,
         db: Database,
         queue: JobQueue,
         events: JobEvents,
         *,
-        window: int,
         chunk: int,
-        capacity: Callable[[str], int | None] | None = None,
+        window: int | None = None,
+        capacities: Callable[[str], Sequence[int]] | None = None,
+        headroom: float = 1.5,
+        cold_window: int = 256,
         share: FairShare | None = None,
     ) -> None:
         self._db = db
@@ -55,35 +63,44 @@ class BatchLifecycle:
         self._events = events
         self._window = window
         self._chunk = chunk
-        self._capacity = capacity
+        self._capacities = capacities
+        self._headroom = headroom
+        self._cold_window = cold_window
         self._share = share or FairShare()
-        self._live: dict[str, tuple[float, int | None]] = {}
+        self._live: dict[str, tuple[float, Sequence[int]]] = {}
 
-    def window(self, model: str) -> int:
-        """Lines that may be out (sent or running) for `model`: the setting, but no more than
-        the live workers serving it can run at once. Lines sent beyond that would only wait
-        in a worker (or be handed back by it) instead of here, where the fair share applies."""
-        if self._capacity is None:
-            return self._window
+    def plan(self, model: str) -> DispatchPlan:
+        """Lines that may be out (sent or running) for `model`, and lines per message."""
+        if self._capacities is None:
+            window = self._window or self._cold_window
+            return DispatchPlan(window=window, chunk=max(1, min(self._chunk, window)))
         seen = self._live.get(model)
         if seen is None or time.monotonic() - seen[0] > CAPACITY_TTL_SECONDS:
-            seen = (time.monotonic(), self._capacity(model))  # a registry scan: not every tick
+            seen = (time.monotonic(), self._capacities(model))  # a registry read: not every tick
             self._live[model] = seen
-        live = seen[1]
-        return min(self._window, live) if live else self._window
+        return dispatch_plan(
+            seen[1],
+            headroom=self._headroom,
+            chunk=self._chunk,
+            cold_window=self._cold_window,
+            ceiling=self._window,
+        )
+
+    def window(self, model: str) -> int:
+        return self.plan(model).window
 
     def feed(self) -> FeedReport:
         """Send waiting batch lines to the broker while fewer than `window` lines per model
-        are out, sharing that room among tenants by weight (app/services/fair_share.py), each
-        tenant's lines in priority order, then earliest deadline first. A 50,000-line batch thus never floods
-        Redis nor holds another tenant's batch back, and single jobs (sent at once, at a
-        higher broker priority) never wait behind it."""
+        are out, sharing that room among tenants by weight (app/services/fair_share.py),
+        each tenant's lines in priority order, then earliest deadline first. A 50,000-line
+        batch thus never floods Redis nor holds another tenant's batch back, and single jobs
+        (sent at once, at a higher broker priority) never wait behind it."""
         report = FeedReport()
         with self._db.session() as s:
             models = list(s.scalars(OWED_MODELS))
         for model in models:
-            window = self.window(model)
-            chunk = min(self._chunk, window)
+            plan = self.plan(model)
+            window, chunk = plan.window, plan.chunk
             with self._db.session() as s:
                 out = {r.tenant_id: int(r.n) for r in s.execute(OUT_BY_TENANT, {"model": model})}
                 room = window - sum(out.values())

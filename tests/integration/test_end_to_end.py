@@ -191,6 +191,14 @@ def test_readyz_sees_the_consuming_worker(stack: Stack) -> None:
     assert ready.json()["checks"]["workers"]["consuming"] >= 1
 
 
+def test_the_worker_registers_its_model_with_the_engines_context_length(stack: Stack) -> None:
+    with stack.client() as c:
+        cards = {m["id"]: m for m in c.get("/v1/models").json()["data"]}
+    tiny = cards[stack.model]
+    assert (tiny["live"], tiny["workers"], tiny["declared"]) == (True, 1, True)
+    assert tiny["max_model_len"] == 2048  # what the vLLM engine reports for the tiny model
+
+
 def test_logs_hold_no_key_and_no_prompt(stack: Stack) -> None:
     """Whatever passes through API and worker at INFO, the prompt text and the key do not
     reach their logs (a wrong key that looks real included)."""
