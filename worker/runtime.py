@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from app.connections import worker_pool
 from app.container import redis_client
 from app.db import Database
 from app.events import JobEvents
@@ -106,9 +107,9 @@ class WorkerRuntime:
         self.settings = settings
         self.name = name or default_worker_name()
         self.engine = engine
-        self.db = Database.from_url(
-            settings.require_database_url(), pool_size=max(4, settings.inflight_limit // 4)
-        )
+        pool = worker_pool(settings)
+        self.db = Database.from_settings(settings, pool)
+        log.info(pool.describe(), extra={"pool": pool.pool, "overflow": pool.overflow, "role": "worker"})
         self.redis = redis_client(settings.require_redis_url())
         self.events = JobEvents(self.redis)
         self.store = JobStore(self.db)
