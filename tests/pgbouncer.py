@@ -101,6 +101,10 @@ def start_pgbouncer(upstream_url: str, *, pool_size: int = 20, timeout: float = 
                 # not after the default 15 s.
                 "server_login_retry = 1",
                 "server_connect_timeout = 5",
+                # While Postgres is down a client waiting for a server connection gets an
+                # error after 10 s (default 120 s), so an outage surfaces as it does without
+                # PgBouncer: as errors (a worker retries its writes; fault test R7 needs it).
+                "query_wait_timeout = 10",
                 f"logfile = {directory / 'pgbouncer.log'}",
                 "log_connections = 0",
                 "log_disconnections = 0",
