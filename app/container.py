@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from redis import Redis
 
+from app.connections import api_pool
 from app.db import Database
 from app.events import JobEvents
 from app.liveness import Liveness
@@ -34,6 +36,8 @@ from app.settings import Settings
 
 if TYPE_CHECKING:
     from app.services.template_sandbox import TemplateSandbox
+
+log = logging.getLogger("llmq.api")
 
 
 @dataclass
@@ -90,12 +94,10 @@ def template_sandbox(settings: Settings, model: str, *, wait_seconds: float | No
     )
 
 
-def build_services(settings: Settings, *, db_pool_size: int | None = None) -> Services:
-    db = Database.from_url(
-        settings.require_database_url(),
-        pool_size=db_pool_size or settings.db_pool_size,
-        pool_timeout=settings.db_pool_timeout_seconds,
-    )
+def build_services(settings: Settings) -> Services:
+    pool = api_pool(settings)
+    db = Database.from_settings(settings, pool, pool_timeout=settings.db_pool_timeout_seconds)
+    log.info(pool.describe(), extra={"pool": pool.pool, "overflow": pool.overflow, "role": "api"})
     redis = redis_client(settings.require_redis_url())
     liveness = Liveness(redis, marker_ttl_seconds=settings.visibility_timeout_seconds, db=db)
     queue = JobQueue(create_producer(settings), liveness)

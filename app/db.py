@@ -8,6 +8,9 @@ from contextlib import contextmanager
 from sqlalchemy import Engine, create_engine
 from sqlalchemy.orm import Session, sessionmaker
 
+from app.connections import PoolSize
+from app.settings import Settings
+
 
 def normalize_url(url: str) -> str:
     """Use the psycopg 3 driver whatever scheme the operator wrote."""
@@ -17,7 +20,19 @@ def normalize_url(url: str) -> str:
     return url
 
 
-def create_db_engine(url: str, *, pool_size: int = 10, pool_timeout: float = 30.0) -> Engine:
+def create_db_engine(
+    url: str, pool: PoolSize, *, pool_timeout: float = 30.0, transaction_pooler: bool = False
+) -> Engine:
+    """The process's one engine, opening at most `pool.total` connections (app/connections.py).
+
+    `transaction_pooler`: `url` is PgBouncer (or another pooler) in transaction mode, where
+    consecutive transactions of one client connection may run on different server
+    connections. psycopg then never prepares a statement server-side (by default it does
+    after 5 executions, and the next transaction would not find it). Nothing else here
+    keeps session state: locks are transaction-scoped (pg_advisory_xact_lock), COPY runs
+    inside its transaction, downloads page with short queries, and no SET, LISTEN or
+    temporary table is used.
+    """
     # No pre-ping: it doubles the round trips of every short transaction. A connection
     # that died with a restart fails its statement, SQLAlchemy invalidates the pool, and
     # callers retry (see worker.runner.JobRunner._persist).
@@ -26,10 +41,11 @@ def create_db_engine(url: str, *, pool_size: int = 10, pool_timeout: float = 30.
     return create_engine(
         normalize_url(url),
         hide_parameters=True,
-        pool_size=pool_size,
-        max_overflow=pool_size,
+        pool_size=pool.pool,
+        max_overflow=pool.overflow,
         pool_timeout=pool_timeout,
         pool_recycle=1800,
+        connect_args={"prepare_threshold": None} if transaction_pooler else {},
     )
 
 
@@ -41,8 +57,22 @@ class Database:
         self._sessions = sessionmaker(engine, expire_on_commit=False)
 
     @classmethod
-    def from_url(cls, url: str, *, pool_size: int = 10, pool_timeout: float = 30.0) -> Database:
-        return cls(create_db_engine(url, pool_size=pool_size, pool_timeout=pool_timeout))
+    def from_url(
+        cls, url: str, pool: PoolSize, *, pool_timeout: float = 30.0, transaction_pooler: bool = False
+    ) -> Database:
+        return cls(
+            create_db_engine(url, pool, pool_timeout=pool_timeout, transaction_pooler=transaction_pooler)
+        )
+
+    @classmethod
+    def from_settings(cls, settings: Settings, pool: PoolSize, *, pool_timeout: float = 30.0) -> Database:
+        """The database at LLMQ_DATABASE_URL, behind LLMQ_DATABASE_POOLER if one is set."""
+        return cls.from_url(
+            settings.require_database_url(),
+            pool,
+            pool_timeout=pool_timeout,
+            transaction_pooler=settings.database_pooler != "none",
+        )
 
     @contextmanager
     def session(self) -> Iterator[Session]:

@@ -270,8 +270,15 @@ class Settings(BaseSettings):
         gt=0,
         description="How often a followed `/v1/batches/<id>/results` asks Postgres for newly ended lines.",
     )
-    db_pool_size: int = Field(
-        default=10, ge=1, description="Pooled Postgres connections per API process (as many again overflow)."
+    db_pool_size: int = Field(default=10, ge=1, description="Pooled Postgres connections per API process.")
+    worker_db_pool_size: int = Field(default=8, ge=1, description="Pooled Postgres connections per worker.")
+    db_max_overflow: int = Field(
+        default=4, ge=0, description="Connections an API or worker process may open past its pool under load."
+    )
+    database_pooler: Literal["none", "pgbouncer"] = Field(
+        default="none",
+        description="`pgbouncer`: LLMQ_DATABASE_URL is a pooler in transaction mode; no server-side "
+        "prepared statements are made.",
     )
     db_pool_timeout_seconds: float = Field(
         default=10.0, gt=0, description="How long a request waits for a pooled connection before a 503."
@@ -333,7 +340,9 @@ class Settings(BaseSettings):
         validation_alias=AliasChoices("LLMQ_PORT", "PORT", "port"),
         description="`llmq api`'s port; PORT is what Procfile platforms set.",
     )
-    api_workers: int = Field(default=2, ge=1, description="gunicorn worker processes `llmq up` starts.")
+    api_workers: int = Field(
+        default=2, ge=1, description="gunicorn worker processes per API (`llmq api`, `llmq up`)."
+    )
     embedded_pg_port: int = Field(default=54329, description="First port tried for the embedded Postgres.")
     embedded_redis_port: int = Field(default=56379, description="First port tried for the embedded Redis.")
     embedded_pg_os_user: str = Field(

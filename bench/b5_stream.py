@@ -22,6 +22,7 @@ import httpx
 import psutil
 from sqlalchemy import text
 
+from app.connections import ADMIN_POOL
 from app.db import Database
 from bench.common import save, service
 
@@ -131,7 +132,7 @@ def run(
     served = "bench-b5"
     out: dict[str, Any] = {"id": "B5", "goal": "p99 added <= 20 ms"}
     with service(model, served) as stack:
-        db = Database.from_url(stack.env["LLMQ_DATABASE_URL"], pool_size=1)
+        db = Database.from_url(stack.env["LLMQ_DATABASE_URL"], ADMIN_POOL)
         asyncio.run(streams_at(stack.base_url, stack.api_key, served, 1, 8))  # warm-up
         for n in levels:
             results = asyncio.run(streams_at(stack.base_url, stack.api_key, served, n, max_tokens))

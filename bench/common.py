@@ -16,6 +16,7 @@ from sqlalchemy import text
 
 from app.cli.embedded import free_port
 from app.cli.stack import Stack
+from app.connections import ADMIN_POOL
 from app.db import Database
 from app.settings import Settings
 
@@ -66,7 +67,7 @@ def submit_all(stack: Stack, bodies: list[dict[str, Any]], threads: int = 64) ->
 
 def wait_done(stack: Stack, ids: list[str], timeout: float = 1800) -> dict[str, float]:
     """Wait for every job to end; timings come from Postgres, so polling costs nothing."""
-    db = Database.from_url(stack.env["LLMQ_DATABASE_URL"], pool_size=1)
+    db = Database.from_url(stack.env["LLMQ_DATABASE_URL"], ADMIN_POOL)
     try:
         deadline = time.monotonic() + timeout
         while True:

@@ -27,6 +27,7 @@ import psutil
 from sqlalchemy import text
 
 from app.cli.stack import Stack
+from app.connections import ADMIN_POOL
 from app.db import Database
 from bench.common import RESULTS, save, service
 
@@ -100,7 +101,7 @@ def depth(db: Database) -> int:
 
 
 def soak(stack: Stack, rate: float, minutes: float) -> list[Window]:
-    db = Database.from_url(stack.env["LLMQ_DATABASE_URL"], pool_size=1)
+    db = Database.from_url(stack.env["LLMQ_DATABASE_URL"], ADMIN_POOL)
     windows: list[Window] = []
     lock = threading.Lock()
     start = time.monotonic()
@@ -191,7 +192,7 @@ def run(minutes: float = 10.0, fraction: float = 0.8) -> dict[str, Any]:
         "LLMQ_MAX_ACTIVE_JOBS_PER_TENANT": "0",
     }
     with service(MODEL, MODEL, **env) as stack:
-        db = Database.from_url(stack.env["LLMQ_DATABASE_URL"], pool_size=1)
+        db = Database.from_url(stack.env["LLMQ_DATABASE_URL"], ADMIN_POOL)
         maximum = probe(stack)
         print(f"max submit rate {maximum:.0f}/s; soaking at {fraction:.0%} for {minutes} min", flush=True)
         wait_drained(db)

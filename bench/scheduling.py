@@ -14,6 +14,7 @@ from typing import Any
 
 from app.cli.client import LlmqClient
 from app.cli.stack import Stack
+from app.connections import ADMIN_POOL
 from app.db import Database
 from app.services.keys import KeyService
 from bench.common import ROOT, service
@@ -41,7 +42,7 @@ def scheduling_service() -> Iterator[Stack]:
 
 
 def tenant_key(stack: Stack, tenant: str) -> str:
-    db = Database.from_url(stack.env["LLMQ_DATABASE_URL"], pool_size=1)
+    db = Database.from_url(stack.env["LLMQ_DATABASE_URL"], ADMIN_POOL)
     try:
         return KeyService(db).create_key(tenant)
     finally:

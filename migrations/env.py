@@ -31,7 +31,9 @@ def run_migrations_offline() -> None:
 
 
 def run_migrations_online() -> None:
-    engine = create_engine(_url(), poolclass=pool.NullPool)
+    # No server-side prepared statements, so `llmq migrate` also works through PgBouncer in
+    # transaction mode (it is a handful of statements; nothing is lost).
+    engine = create_engine(_url(), poolclass=pool.NullPool, connect_args={"prepare_threshold": None})
     with engine.connect() as connection:
         context.configure(connection=connection, target_metadata=target_metadata, compare_type=True)
         with context.begin_transaction():

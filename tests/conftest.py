@@ -22,6 +22,7 @@ from app.api import create_app
 from app.container import Services, build_services
 from app.settings import Settings
 from tests.helpers import PG_URL, REDIS_DB, REDIS_URL, ROOT, Stores, make_settings
+from tests.pgbouncer import VIA_PGBOUNCER, start_pgbouncer
 
 
 def _pg_reachable(url: str) -> bool:
@@ -78,9 +79,15 @@ def stores() -> Iterator[Stores]:
     run_migrations(database_url)
     redis_url = f"{redis_base}/{REDIS_DB}"
     redis.Redis.from_url(redis_url).flushdb()
+    bouncer = start_pgbouncer(admin_url) if VIA_PGBOUNCER else None
     try:
-        yield Stores(database_url, redis_url)
+        if bouncer is None:
+            yield Stores(database_url, redis_url)
+        else:
+            yield Stores(bouncer.url(database_url), redis_url, direct_url=database_url)
     finally:
+        if bouncer is not None:
+            bouncer.stop()  # its server connections first, or the database cannot be dropped
         with psycopg.connect(admin_url, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{dbname}" WITH (FORCE)')
         for server in started:

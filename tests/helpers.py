@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ from app.schemas.jobs import JobObject
 from app.serve import gunicorn_argv
 from app.services.health import live_workers
 from app.settings import Settings
+from tests.pgbouncer import VIA_PGBOUNCER
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,30 +49,44 @@ REDIS_DB = int(os.environ.get("LLMQ_TEST_REDIS_DB", "13"))
 
 @dataclass
 class Stores:
+    """Where the tests' processes find Postgres and Redis. Under LLMQ_TEST_VIA_PGBOUNCER=1,
+    `database_url` is a PgBouncer in transaction mode (`pooler` "pgbouncer", passed on to
+    every Settings and process environment built from these stores) and `direct_url` the
+    same database on Postgres itself, for admin steps (creating databases, migrations)."""
+
     database_url: str
     redis_url: str
+    direct_url: str | None = None
+    pooler: str = field(default_factory=lambda: "pgbouncer" if VIA_PGBOUNCER else "none")
+
+    @property
+    def admin_url(self) -> str:
+        return self.direct_url or self.database_url
 
 
 def fresh_database(stores: Stores) -> str:
     """A new, migrated database beside the session's, for a test whose workers must not meet
-    the session's (their sweepers would judge each other's jobs by a Redis they do not share)."""
+    the session's (their sweepers would judge each other's jobs by a Redis they do not share).
+    Made and migrated on Postgres directly; the URL returned is reached the way the session's
+    is (through its PgBouncer, whose `*` entry passes any database name)."""
     import secrets
 
     import psycopg
 
     from app.cli.stack import run_migrations
 
-    base, _, _ = stores.database_url.rpartition("/")
+    base, _, _ = stores.admin_url.rpartition("/")
     name = f"llmq_test_{secrets.token_hex(4)}"
     with psycopg.connect(f"{base}/postgres", autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{name}"')
     run_migrations(f"{base}/{name}")
-    return f"{base}/{name}"
+    return f"{stores.database_url.rpartition('/')[0]}/{name}"
 
 
 def make_settings(stores: Stores, **overrides: Any) -> Settings:
     base: dict[str, Any] = {
         "database_url": stores.database_url,
+        "database_pooler": stores.pooler,
         "redis_url": stores.redis_url,
         # No worker serves this name, so API tests' jobs stay queued.
         "model": "api-only",
@@ -100,6 +115,7 @@ def stack_env(stores: Stores, model: Path, served_name: str, **extra: str) -> di
     env.update(
         {
             "LLMQ_DATABASE_URL": stores.database_url,
+            "LLMQ_DATABASE_POOLER": stores.pooler,
             "LLMQ_REDIS_URL": stores.redis_url,
             "LLMQ_MODEL": str(model),
             "LLMQ_SERVED_MODEL_NAME": served_name,

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from app.connections import WEBHOOK_POOL, worker_pool
 from app.container import redis_client
 from app.db import Database
 from app.domain.prompts import ChatRenderer
@@ -113,9 +114,9 @@ class WorkerRuntime:
         self.settings = settings
         self.name = name or default_worker_name()
         self.engine = engine
-        self.db = Database.from_url(
-            settings.require_database_url(), pool_size=max(4, settings.inflight_limit // 4)
-        )
+        pool = worker_pool(settings)
+        self.db = Database.from_settings(settings, pool)
+        log.info(pool.describe(), extra={"pool": pool.pool, "overflow": pool.overflow, "role": "worker"})
         self.redis = redis_client(settings.require_redis_url())
         self.events = JobEvents(self.redis)
         self.store = JobStore(self.db)
@@ -186,7 +187,7 @@ class WorkerRuntime:
         self.presence = Presence(self.redis, self.name, settings.worker_presence_ttl_seconds)
         # Webhooks go out from every worker, on threads and connections of their own, so a
         # slow receiver never holds a job thread or a job's database connection.
-        self.webhook_db = Database.from_url(settings.require_database_url(), pool_size=2)
+        self.webhook_db = Database.from_settings(settings, WEBHOOK_POOL)
         self.deliverer = WebhookDeliverer(
             self.webhook_db,
             system_resolver(settings.image_url_resolve_timeout_seconds),

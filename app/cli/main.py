@@ -110,7 +110,8 @@ def cmd_api(args: argparse.Namespace) -> int:
     from app.serve import gunicorn_argv
 
     port = args.port or Settings().port
-    argv = gunicorn_argv(args.host, port, workers=args.workers, connections=args.connections)
+    workers = args.workers or Settings().api_workers
+    argv = gunicorn_argv(args.host, port, workers=workers, connections=args.connections)
     os.execv(sys.executable, argv)  # noqa: S606 - replaces this process with gunicorn
 
 
@@ -150,10 +151,11 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     run_migrations(settings.require_database_url())
     print("database is at the latest revision")
     if settings.bootstrap_api_key:
+        from app.connections import ADMIN_POOL
         from app.db import Database
         from app.services.keys import KeyService
 
-        db = Database.from_url(settings.require_database_url(), pool_size=1)
+        db = Database.from_settings(settings, ADMIN_POOL)
         try:
             keys = KeyService(db)
             keys.create_key(settings.default_tenant, name="bootstrap", key=settings.bootstrap_api_key)
@@ -265,10 +267,11 @@ def cmd_webhooks_deliveries(args: argparse.Namespace) -> int:
 
 
 def _keys(args: argparse.Namespace) -> Any:
+    from app.connections import ADMIN_POOL
     from app.db import Database
     from app.services.keys import KeyService
 
-    return KeyService(Database.from_url(_settings(args).require_database_url(), pool_size=1))
+    return KeyService(Database.from_settings(_settings(args), ADMIN_POOL))
 
 
 def cmd_keys_create(args: argparse.Namespace) -> int:
@@ -389,7 +392,7 @@ def build_parser() -> argparse.ArgumentParser:
     api = sub.add_parser("api", help="serve the HTTP API with gunicorn (production)")
     api.add_argument("--host", default="0.0.0.0")
     api.add_argument("--port", type=int, default=None, help="PORT or LLMQ_PORT; 8000 without either")
-    api.add_argument("--workers", type=int, default=2, help="gunicorn worker processes")
+    api.add_argument("--workers", type=int, default=None, help="gunicorn processes; LLMQ_API_WORKERS")
     api.add_argument("--connections", type=int, default=2000, help="concurrent connections per worker")
     api.set_defaults(func=cmd_api)
 

@@ -132,10 +132,12 @@ class Stack:
         run_migrations(self.env["LLMQ_DATABASE_URL"])
 
     def ensure_key(self) -> None:
+        from app.connections import ADMIN_POOL
         from app.db import Database
         from app.services.keys import KeyService
 
-        db = Database.from_url(self.env["LLMQ_DATABASE_URL"], pool_size=1)
+        pooler = self.settings.database_pooler != "none"
+        db = Database.from_url(self.env["LLMQ_DATABASE_URL"], ADMIN_POOL, transaction_pooler=pooler)
         try:
             keys = KeyService(db)
             key_file = self.data_dir / "api_key"

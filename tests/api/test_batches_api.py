@@ -258,8 +258,8 @@ def test_a_line_over_the_line_limit_refuses_the_upload_by_number(stores) -> None
     from app.container import build_services
     from tests.helpers import make_settings
 
-    settings = make_settings(stores, max_line_bytes=4096)
-    services = build_services(settings, db_pool_size=2)
+    settings = make_settings(stores, max_line_bytes=4096, db_pool_size=2)
+    services = build_services(settings)
     try:
         client = create_app(services=services).test_client()
         key = services.keys.create_key("tenant-long-line")

@@ -110,8 +110,8 @@ def test_batch_lines_are_checked_against_the_band_at_creation(client: FlaskClien
 
 def test_concurrent_submits_at_the_cap_create_exactly_the_cap(stores: Stores) -> None:
     """Issue 10 defect 5: 32 submits at once against a cap of 5: five jobs, 27 429s."""
-    settings = make_settings(stores, max_active_jobs_per_tenant=5)
-    services = build_services(settings, db_pool_size=32)
+    settings = make_settings(stores, max_active_jobs_per_tenant=5, db_pool_size=32)
+    services = build_services(settings)
     name = f"tenant-race-{secrets.token_hex(3)}"
     principal = services.keys.authenticate(services.keys.create_key(name))
     start = threading.Barrier(32)

@@ -461,7 +461,7 @@ def test_operators_set_budgets_with_the_cli(
 
 def test_concurrent_creates_never_overspend_the_budget(stores: Stores) -> None:
     """Twelve creates at once against a budget that fits three: exactly three batches."""
-    services = build_services(make_settings(stores), db_pool_size=16)
+    services = build_services(make_settings(stores, db_pool_size=16))
     try:
         client_ = create_app(services=services).test_client()
         name = f"tenant-race-budget-{secrets.token_hex(3)}"

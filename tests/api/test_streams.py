@@ -88,7 +88,7 @@ def append(r: redis.Redis, job_id: str, event: dict[str, Any]) -> None:
 
 @pytest.fixture(scope="module")
 def quick(stores: Stores) -> Iterator[Services]:
-    """Short heartbeats and key checks, a cap of 3 streams per key, a one-connection pool."""
+    """Short heartbeats and key checks, a cap of 3 streams per key, a two-connection pool."""
     svc = build_services(
         make_settings(
             stores,
@@ -97,6 +97,7 @@ def quick(stores: Stores) -> Iterator[Services]:
             max_streams_per_key=3,
             rate_limit_per_minute=0,
             db_pool_size=1,
+            db_max_overflow=1,
             db_pool_timeout_seconds=0.5,
         )
     )

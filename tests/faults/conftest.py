@@ -33,6 +33,7 @@ from app.container import Services, build_services
 from app.settings import Settings
 from tests.helpers import Stores, WorkerProcess, auth, stack_env
 from tests.integration.conftest import tiny_model as tiny_model  # noqa: PLC0414 - a fixture, re-exported
+from tests.pgbouncer import VIA_PGBOUNCER, Bouncer, start_pgbouncer
 
 MODEL = "faulty"
 CRASHING_WORKER = "tests.faults.crashing_worker"  # the worker with a poison-prompt engine (R10)
@@ -51,10 +52,15 @@ class FaultStack:
     client: FlaskClient
     key: str
     workers: list[WorkerProcess] = field(default_factory=list)
+    # LLMQ_TEST_VIA_PGBOUNCER=1: everything but migrations reaches Postgres through it, and
+    # it stays up while a test stops and restarts Postgres behind it.
+    bouncer: Bouncer | None = None
 
     @property
     def stores(self) -> Stores:
-        return Stores(self.pg.url, self.redis.url)
+        if self.bouncer is None:
+            return Stores(self.pg.url, self.redis.url)
+        return Stores(self.bouncer.url(self.pg.url), self.redis.url, direct_url=self.pg.url)
 
     # --- processes --------------------------------------------------------------------
 
@@ -217,8 +223,10 @@ def fault_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultStack
     pg = pg_start(root / "pg", pg_port, "llmq")
     redis = redis_start(root / "redis", redis_port, persistent=False)
     run_migrations(pg.url)
+    bouncer = start_pgbouncer(pg.url) if VIA_PGBOUNCER else None
     settings = Settings(
-        database_url=pg.url,
+        database_url=bouncer.url(pg.url) if bouncer else pg.url,
+        database_pooler="pgbouncer" if bouncer else "none",
         redis_url=redis.url,
         model=MODEL,
         served_model_name=MODEL,
@@ -236,6 +244,7 @@ def fault_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultStack
         services=services,
         client=create_app(services=services).test_client(),
         key=services.keys.create_key("tenant-faults"),
+        bouncer=bouncer,
     )
     try:
         yield stack
@@ -246,4 +255,6 @@ def fault_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultStack
                     worker.kill(signal.SIGKILL)
         services.close()
         stack.redis.stop()
+        if bouncer is not None:
+            bouncer.stop()
         stack.pg.stop()

@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from app.cli.embedded import free_port, redis_start
+from app.connections import ADMIN_POOL
 from app.db import Database
 from app.services.keys import KeyService
 from tests.helpers import (
@@ -21,6 +22,7 @@ from tests.helpers import (
     WorkerProcess,
     events,
     fresh_database,
+    make_settings,
     stack_env,
     text_of,
     wait_for,
@@ -41,7 +43,7 @@ def test_redis_restart_mid_stream(stores: Stores, tiny_model: Path, logs_dir: Pa
     env = stack_env(own, tiny_model, MODEL, LLMQ_SSE_HEARTBEAT_SECONDS="1")
     worker = WorkerProcess(env, logs_dir / "s4-worker.log").start()
     api = ApiProcess(env, logs_dir / "s4-api.log")
-    own_db = Database.from_url(own.database_url, pool_size=1)
+    own_db = Database.from_settings(make_settings(own), ADMIN_POOL)
     key = KeyService(own_db).create_key("tenant-s4")
     own_db.dispose()
     client = httpx.Client(base_url=api.url, headers={"Authorization": f"Bearer {key}"}, timeout=120)

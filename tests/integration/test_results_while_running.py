@@ -22,6 +22,7 @@ import pytest
 from app.cli.batch import tail
 from app.cli.client import LlmqClient
 from app.cli.embedded import free_port, redis_start
+from app.connections import ADMIN_POOL
 from app.db import Database
 from app.services.keys import KeyService
 from tests.helpers import ROOT, ApiProcess, Stores, WorkerProcess, fresh_database, lines, stack_env
@@ -53,7 +54,7 @@ def test_results_are_a_growing_prefix_that_ends_equal_to_the_files(stores: Store
     env["LLMQ_MODEL"] = MODEL
     worker = WorkerProcess(env, logs_dir / "results-worker.log").start(timeout=120)
     api = ApiProcess(env, logs_dir / "results-api.log")
-    own_db = Database.from_url(own.database_url, pool_size=1)
+    own_db = Database.from_url(own.database_url, ADMIN_POOL)
     key = KeyService(own_db).create_key("tenant-results")
     own_db.dispose()
     http = httpx.Client(base_url=api.url, headers={"Authorization": f"Bearer {key}"}, timeout=60)

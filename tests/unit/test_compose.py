@@ -15,6 +15,8 @@ import pytest
 import yaml
 
 from app.cli.main import build_parser
+from app.connections import POSTGRES_RESERVED_CONNECTIONS, Fleet
+from app.settings import Settings
 from tests.helpers import ROOT
 
 DATA = Path(__file__).parent / "data"
@@ -106,7 +108,13 @@ def test_postgres_is_18_with_max_connections_set_explicitly() -> None:
     postgres = _services()["postgres"]
     repo, _, tag = postgres["image"].partition(":")
     assert repo == "postgres" and tag.split(".")[0].split("-")[0] == "18"
-    assert any(arg.startswith("max_connections=") for arg in postgres["command"])
+    limit = next(
+        int(arg.split("=", 1)[1]) for arg in postgres["command"] if arg.startswith("max_connections=")
+    )
+    # The compose fleet (one API of LLMQ_API_WORKERS processes, the workers shown and the
+    # commented third) fits under it by the README's formula, with room for one more GPU.
+    needed = Fleet(api_replicas=1, workers=len(_workers()) + 2).connections(Settings())
+    assert needed + POSTGRES_RESERVED_CONNECTIONS <= limit, (needed, limit)
     # Postgres 18's image keeps PGDATA under /var/lib/postgresql/18/docker.
     assert "pgdata:/var/lib/postgresql" in postgres["volumes"]
 

@@ -1,0 +1,91 @@
+"""How many Postgres connections each llmq process may open: the one formula the README's
+"Connection budget" section states, computed here and nowhere else.
+
+    API process  = LLMQ_DB_POOL_SIZE        + LLMQ_DB_MAX_OVERFLOW      (10 + 4 = 14)
+    API replica  = LLMQ_API_WORKERS × API process                        (2 × 14 = 28)
+    worker       = LLMQ_WORKER_DB_POOL_SIZE + LLMQ_DB_MAX_OVERFLOW
+                   + webhook delivery's own pool                       (8 + 4 + 2 = 14)
+    fleet        = replicas × API replica + workers × worker + ADMIN_CONNECTIONS
+
+Every API process holds exactly one SQLAlchemy engine (app/db.py); the upload's COPY
+borrows from it and downloads page through it. A worker holds two: its jobs' pool and
+webhook delivery's (WEBHOOK_POOL), which is its own so that a slow receiver never holds
+a job's connection. Nothing else opens a connection: `llmq migrate`
+uses one unpooled connection and a CLI call (`llmq key`) a pool of one, both counted in
+ADMIN_CONNECTIONS with room for an operator's psql. A worker's threads hold a connection
+for one short transaction each (a claim, a finish, a chunk of batch lines), so its pool
+is far smaller than its in-flight jobs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from app.settings import Settings
+
+# `llmq migrate`, a CLI call, an operator's psql and a monitoring check, at once.
+ADMIN_CONNECTIONS = 4
+
+
+@dataclass(frozen=True)
+class PoolSize:
+    """One process's pool: `pool` connections kept open, `overflow` more opened under load
+    and closed when returned."""
+
+    pool: int
+    overflow: int
+
+    @property
+    def total(self) -> int:
+        return self.pool + self.overflow
+
+    def describe(self) -> str:
+        return (
+            f"postgres connections: up to {self.total} "
+            f"(pool {self.pool} + overflow {self.overflow}) per process"
+        )
+
+
+# Webhook delivery's pool in each worker (app/services/webhook_delivery.py): a claim and a
+# record at a time per delivery thread round, never held across an HTTP call.
+WEBHOOK_POOL = PoolSize(pool=2, overflow=0)
+
+# A short-lived admin process (`llmq key`, `llmq up`'s key bootstrap): one connection.
+ADMIN_POOL = PoolSize(pool=1, overflow=0)
+
+
+def api_pool(settings: Settings) -> PoolSize:
+    """One API (gunicorn worker) process's pool."""
+    return PoolSize(pool=settings.db_pool_size, overflow=settings.db_max_overflow)
+
+
+def worker_pool(settings: Settings) -> PoolSize:
+    """One worker process's pool for its jobs (webhook delivery's is WEBHOOK_POOL)."""
+    return PoolSize(pool=settings.worker_db_pool_size, overflow=settings.db_max_overflow)
+
+
+def worker_connections(settings: Settings) -> int:
+    """Every connection one worker process may open: its jobs' pool and webhook delivery's."""
+    return worker_pool(settings).total + WEBHOOK_POOL.total
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """A deployment's shape: API replicas (each `llmq api` with LLMQ_API_WORKERS gunicorn
+    processes) and worker processes (one per GPU)."""
+
+    api_replicas: int
+    workers: int
+
+    def connections(self, settings: Settings) -> int:
+        """The most Postgres connections the fleet can open at once."""
+        api = self.api_replicas * settings.api_workers * api_pool(settings).total
+        return api + self.workers * worker_connections(settings) + ADMIN_CONNECTIONS
+
+
+# The fleet the README documents and the `max_connections` suggested for it: two API
+# replicas and eight GPU workers, at default settings, with room under Postgres's own
+# superuser_reserved_connections (3).
+DOCUMENTED_FLEET = Fleet(api_replicas=2, workers=8)
+SUGGESTED_MAX_CONNECTIONS = 200
+POSTGRES_RESERVED_CONNECTIONS = 3

@@ -1,0 +1,73 @@
+"""The connection budget (app/connections.py): pools follow from settings, and the fleet the
+README documents fits the `max_connections` it suggests."""
+
+from __future__ import annotations
+
+import re
+
+from app.connections import (
+    ADMIN_CONNECTIONS,
+    DOCUMENTED_FLEET,
+    POSTGRES_RESERVED_CONNECTIONS,
+    SUGGESTED_MAX_CONNECTIONS,
+    WEBHOOK_POOL,
+    Fleet,
+    api_pool,
+    worker_connections,
+    worker_pool,
+)
+from app.db import create_db_engine
+from app.settings import Settings
+from tests.helpers import ROOT
+
+# Postgres's own default: what `llmq up`'s embedded Postgres and a stock server have.
+POSTGRES_DEFAULT_MAX_CONNECTIONS = 100
+
+
+def test_pools_follow_settings() -> None:
+    s = Settings(db_pool_size=6, worker_db_pool_size=3, db_max_overflow=2, api_workers=4)
+    assert (api_pool(s).pool, api_pool(s).overflow, api_pool(s).total) == (6, 2, 8)
+    assert (worker_pool(s).pool, worker_pool(s).overflow, worker_pool(s).total) == (3, 2, 5)
+    assert worker_connections(s) == 5 + WEBHOOK_POOL.total
+    # 3 replicas of 4 gunicorn processes of 8, 5 workers of 5 + webhook delivery's, the admin reserve.
+    assert Fleet(api_replicas=3, workers=5).connections(s) == 3 * 4 * 8 + 5 * (5 + 2) + ADMIN_CONNECTIONS
+
+
+def test_the_engine_is_built_with_the_pool_it_is_given() -> None:
+    pool = api_pool(Settings(db_pool_size=7, db_max_overflow=3))
+    engine = create_db_engine("postgresql://nobody@127.0.0.1:9/none", pool)
+    try:
+        # size() is the kept connections; overflow() starts at -size and may reach +max_overflow.
+        assert engine.pool.size() == 7  # type: ignore[attr-defined]
+        assert engine.pool._max_overflow == 3  # type: ignore[attr-defined]
+    finally:
+        engine.dispose()
+
+
+def test_the_start_line_names_the_process_total() -> None:
+    line = worker_pool(Settings()).describe()
+    assert line == "postgres connections: up to 12 (pool 8 + overflow 4) per process"
+
+
+def test_the_documented_fleet_fits_the_suggested_max_connections() -> None:
+    total = DOCUMENTED_FLEET.connections(Settings())
+    assert total + POSTGRES_RESERVED_CONNECTIONS < SUGGESTED_MAX_CONNECTIONS, total
+
+
+def test_one_api_and_one_worker_fit_postgres_default() -> None:
+    """Issue 11: one API and one worker used to take 104, over Postgres's default 100."""
+    total = Fleet(api_replicas=1, workers=1).connections(Settings())
+    assert total + POSTGRES_RESERVED_CONNECTIONS < POSTGRES_DEFAULT_MAX_CONNECTIONS, total
+
+
+def test_the_readme_states_the_computed_figures() -> None:
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Connection budget", 1)[1].split("\n## ", 1)[0]
+    s = Settings()
+    figures = {int(n) for n in re.findall(r"\*\*(\d+)\*\*", section)}
+    assert {
+        api_pool(s).total,
+        worker_connections(s),
+        DOCUMENTED_FLEET.connections(s),
+        SUGGESTED_MAX_CONNECTIONS,
+    } <= figures, figures
