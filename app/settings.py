@@ -28,11 +28,21 @@ class Settings(BaseSettings):
     redis_url: str | None = None
     data_dir: Path = Path(".llmq")
 
-    # Model and engine. `instant` answers at once without a model: for overhead
-    # benchmarks only, never a default.
-    engine: Literal["vllm", "instant"] = "vllm"
+    # Model and engine. `instant` answers at once without a model, `simulated` spends time
+    # like a continuous-batching GPU engine without one (worker/sim_engine.py): for
+    # benchmarks and fleet tests only, never a default.
+    engine: Literal["vllm", "instant", "simulated"] = "vllm"
     instant_token_seconds: float = Field(
         default=0.0, ge=0, description="Instant engine only: delay per token."
+    )
+    sim_step_ms: float = Field(
+        default=8.0, ge=0, description="Simulated engine only: fixed cost of one decode step (ms)."
+    )
+    sim_step_ms_per_seq: float = Field(
+        default=0.08, ge=0, description="Simulated engine only: added step cost per running sequence (ms)."
+    )
+    sim_prefill_ms_per_token: float = Field(
+        default=0.05, ge=0, description="Simulated engine only: step cost per prompt token admitted (ms)."
     )
     model: str | None = Field(default=None, description="Local model folder or a name the engine resolves.")
     served_model_name: str | None = Field(

@@ -83,6 +83,11 @@ def build_engine(settings: Settings) -> tuple[Engine, Renderer]:
         return InstantEngine(
             context=settings.max_model_len or 4096, delay=settings.instant_token_seconds
         ), ByteRenderer()
+    if settings.engine == "simulated":
+        from worker.engine import ByteRenderer
+        from worker.sim_engine import simulated_engine
+
+        return simulated_engine(settings), ByteRenderer()
     from app.container import template_sandbox
     from app.domain.prompts import ChatRenderer
     from worker.vllm_engine import VllmEngine
