@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite: install, lint, type-check, migrations, unit, API and integration
-# tests (real Postgres, Redis, Celery worker and vLLM on the CPU). Extra arguments go to pytest.
+# tests (real Postgres, Redis, Celery worker and vLLM on the CPU), fault tests and the fleet
+# (the Procfile under honcho). Extra arguments go to pytest.
 # Uses Postgres on 127.0.0.1:5432 and Redis on :6379 when they answer, else starts the
 # embedded ones from the wheels.
 set -euo pipefail
@@ -20,5 +21,5 @@ fi
 echo "== unit tests (no Postgres, no Redis)"
 LLMQ_TEST_PG_URL=postgresql://nobody@127.0.0.1:9/none LLMQ_TEST_REDIS_URL=redis://127.0.0.1:9 \
   .venv/bin/python -m pytest -m unit -q
-echo "== api, integration and fault tests"
+echo "== api, integration, fault and fleet tests"
 .venv/bin/python -m pytest -m "not unit"

@@ -1,0 +1,35 @@
+"""The fleet tier: one honcho formation per module (tests/fleet/formation.py), its logs kept
+under pytest's temporary folder for a failure's post-mortem."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.fleet.formation import Formation
+from tests.helpers import Stores
+
+# Simulated GPU workers: a decode step costs a fixed part plus a part per running sequence,
+# so a 5,000-line batch takes tens of seconds on two workers, long enough to kill and add a
+# worker half way, while the service itself (API, feeder, Postgres) has CPU to spare.
+ENGINE = {
+    "LLMQ_ENGINE": "simulated",
+    "LLMQ_MAX_NUM_SEQS": "16",
+    "LLMQ_SIM_STEP_MS": "50",
+    "LLMQ_SIM_STEP_MS_PER_SEQ": "1",
+}
+
+
+@pytest.fixture(scope="module")
+def fleet(stores: Stores, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Formation]:
+    root = tmp_path_factory.mktemp("fleet")
+    formation = Formation.prepare(stores, root, ENGINE)
+    try:
+        formation.release()
+        formation.create_key()
+        formation.start()
+        yield formation
+    finally:
+        formation.cleanup()
+        formation.drop_database()
