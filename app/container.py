@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from redis import Redis
@@ -14,21 +11,22 @@ from app.db import Database
 from app.events import JobEvents
 from app.liveness import Liveness
 from app.queue import JobQueue, create_producer
-from app.schemas.chat import ChatCompletionV2Request
 from app.services.batches import BatchService
 from app.services.chat import ChatService
 from app.services.contract import RequestPolicy
 from app.services.files import FileService
-from app.services.health import HealthService
+from app.services.health import HealthService, live_workers
 from app.services.idempotency import IdempotencyLocks
 from app.services.jobs import JobService
 from app.services.keys import KeyService
 from app.services.limits import RateLimiter
 from app.services.metrics import MetricsService
+from app.services.models import ModelRegistry, declared_models
 from app.services.notifier import Notifier
 from app.services.sandbox import ConstraintSandbox
 from app.services.slots import StreamSlots
 from app.services.streaming import StreamService
+from app.services.tokenizers import PromptCounters
 from app.settings import Settings
 
 if TYPE_CHECKING:
@@ -54,77 +52,25 @@ class Services:
     limiter: RateLimiter
     slots: StreamSlots
     auth_failures: RateLimiter
+    models: ModelRegistry
     constraints: ConstraintSandbox | None = None
-    # The served model's context length: LLMQ_MAX_MODEL_LEN, else the model folder's config.
-    max_model_len: int | None = None
+    tokenizers: PromptCounters | None = None
 
     @property
     def served_models(self) -> frozenset[str]:
-        return frozenset({self.settings.model_name})
+        return self.models.names()
 
     def close(self) -> None:
         self.db.dispose()
         self.redis.close()
         if self.constraints is not None:
             self.constraints.close()
+        if self.tokenizers is not None:
+            self.tokenizers.close()
 
 
 def redis_client(url: str) -> Redis[bytes]:
     return Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5, health_check_interval=30)
-
-
-# The config keys vLLM derives a model's context length from (the smallest one present).
-_CONTEXT_KEYS = (
-    "max_position_embeddings",
-    "n_positions",
-    "max_seq_len",
-    "seq_length",
-    "model_max_length",
-    "max_sequence_length",
-    "max_seq_length",
-    "seq_len",
-)
-
-
-def model_context(settings: Settings) -> int | None:
-    """The served model's context length in tokens: the configured one, else what its
-    local folder's config.json says; None for a model known only by name."""
-    if settings.max_model_len:
-        return settings.max_model_len
-    config_file = Path(settings.model) / "config.json" if settings.model else None
-    if config_file is None or not config_file.is_file():
-        return None
-    config = json.loads(config_file.read_text())
-    for section in (config, config.get("text_config") or {}):
-        found = [int(v) for k in _CONTEXT_KEYS if isinstance(v := section.get(k), int) and v > 0]
-        if found:
-            return min(found)
-    return None
-
-
-def prompt_counter(settings: Settings) -> tuple[Callable[[ChatCompletionV2Request], int] | None, int | None]:
-    """Token counting with the model's own tokenizer and template, when the model is a
-    local folder (and counting is on): (count, context length)."""
-    folder = Path(settings.model) if settings.model else None
-    if not settings.api_counts_prompt_tokens or folder is None or not (folder / "config.json").is_file():
-        return None, None
-    from app.domain.prompts import ChatRenderer
-    from app.domain.tools import plan_tools
-
-    # gevent workers: a render with user input must never run in this process (it would
-    # block every greenlet); the sandbox children render it under the time limit.
-    renderer = ChatRenderer.load(
-        str(folder),
-        sandbox=template_sandbox(settings, str(folder)),
-        custom_templates=False,  # the API does not count user templates (the worker renders them)
-        inprocess_max_bytes=settings.inprocess_render_max_bytes,
-    )
-    context = model_context(settings)
-
-    def count(req: ChatCompletionV2Request) -> int:
-        return len(renderer.render(req, plan_tools(req, auto_parser=settings.tool_call_parser)))
-
-    return count, int(context) if context else None
 
 
 def template_sandbox(settings: Settings, model: str, *, wait_seconds: float | None = None) -> TemplateSandbox:
@@ -139,17 +85,6 @@ def template_sandbox(settings: Settings, model: str, *, wait_seconds: float | No
     )
 
 
-def model_vocab_size(settings: Settings) -> int | None:
-    """The model's vocabulary size (the logits' width, what vLLM checks token ids against),
-    when the model is a local folder."""
-    config = Path(settings.model) / "config.json" if settings.model else None
-    if config is None or not config.is_file():
-        return None
-    data = json.loads(config.read_text())
-    size = data.get("vocab_size") or (data.get("text_config") or {}).get("vocab_size")
-    return int(size) if size else None
-
-
 def build_services(settings: Settings, *, db_pool_size: int | None = None) -> Services:
     db = Database.from_url(
         settings.require_database_url(),
@@ -160,18 +95,22 @@ def build_services(settings: Settings, *, db_pool_size: int | None = None) -> Se
     liveness = Liveness(redis, marker_ttl_seconds=settings.visibility_timeout_seconds, db=db)
     queue = JobQueue(create_producer(settings), liveness)
     events = JobEvents(redis)
-    served = frozenset({settings.model_name})
     keys = KeyService(db)
-    count, context = prompt_counter(settings)
-    constraints = ConstraintSandbox.of(settings)
-    policy = RequestPolicy(
-        settings,
-        served,
-        count_prompt=count,
-        max_model_len=context,
-        vocab_size=model_vocab_size(settings),
-        constraints=constraints,
+    # Nothing model-specific is loaded here: a tokenizer is read on the first request that
+    # needs it (app/services/tokenizers.py).
+    tokenizers = (
+        PromptCounters(settings, size=settings.api_tokenizer_cache_size)
+        if settings.api_counts_prompt_tokens
+        else None
     )
+    models = ModelRegistry(
+        lambda: live_workers(redis),
+        declared=declared_models(settings),
+        ttl_seconds=settings.model_registry_ttl_seconds,
+        counters=tokenizers.counter if tokenizers is not None else None,
+    )
+    constraints = ConstraintSandbox.of(settings)
+    policy = RequestPolicy(settings, models, constraints=constraints)
     locks = IdempotencyLocks(redis)
     jobs = JobService(
         db,
@@ -210,8 +149,8 @@ def build_services(settings: Settings, *, db_pool_size: int | None = None) -> Se
             idempotency_ttl_seconds=settings.idempotency_ttl_seconds,
             max_active_lines_per_tenant=settings.max_active_batch_lines_per_tenant,
         ),
-        health=HealthService(db, redis, served),
-        metrics=MetricsService(db, redis, liveness, served),
+        health=HealthService(db, redis, models.names),
+        metrics=MetricsService(db, redis, liveness, models.names),
         limiter=RateLimiter(
             redis, per_minute=settings.rate_limit_per_minute, burst=settings.rate_limit_burst
         ),
@@ -224,5 +163,6 @@ def build_services(settings: Settings, *, db_pool_size: int | None = None) -> Se
             subject_name="failed authentications per minute reached for this client address",
         ),
         slots=StreamSlots(redis, per_key=settings.max_streams_per_key),
-        max_model_len=model_context(settings),
+        models=models,
+        tokenizers=tokenizers,
     )

@@ -7,6 +7,7 @@ and what is done when it is not, is app/liveness.py's.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from typing import TYPE_CHECKING, Any
 
@@ -27,8 +28,13 @@ BATCH_LINE_BASE = 6
 
 
 def queue_name(model: str) -> str:
-    """One queue per served model, so a worker only takes jobs its engine can run."""
-    return "llmq." + re.sub(r"[^A-Za-z0-9_.-]", "_", model)
+    """One queue per served model, so a worker only takes jobs its engine can run. A name
+    with characters a queue name cannot hold (`org/model`) gets a digest of the name too,
+    so two models never share a queue (`org/model` and `org_model`)."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", model)
+    if safe != model:
+        safe += "-" + hashlib.sha256(model.encode()).hexdigest()[:8]
+    return "llmq." + safe
 
 
 def broker_priority(job_priority: int, *, batch_line: bool = False) -> int:

@@ -46,6 +46,20 @@ class Settings(BaseSettings):
     served_model_name: str | None = Field(
         default=None, description="Name clients use; defaults to the model folder's name."
     )
+    models: str = Field(
+        default="",
+        description="API: models served even while no worker runs them (comma-separated names; "
+        "their jobs queue until a worker starts). Models with a live worker are served anyway.",
+    )
+    model_registry_ttl_seconds: float = Field(
+        default=1.0, ge=0, description="How long an API process reuses its read of the worker registry."
+    )
+    api_tokenizer_cache_size: int = Field(
+        default=4,
+        ge=1,
+        description="Tokenizers (each with its template sandbox) one API process keeps loaded for "
+        "prompt counting, the least recently used dropped first.",
+    )
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         default="auto", description="auto: float32 on CPU, the model's own dtype on GPU."
     )
@@ -115,9 +129,26 @@ class Settings(BaseSettings):
         default=32 * 1024 * 1024, ge=1024, description="A batch input line over this refuses the upload."
     )
     max_batch_lines: int = Field(default=50_000, ge=1)
-    batch_chunk_size: int = Field(default=32, ge=1, description="Batch lines per broker message.")
-    batch_dispatch_window: int = Field(
-        default=512, ge=1, description="Batch lines sent to the broker and not yet finished, per model."
+    batch_chunk_size: int = Field(
+        default=32,
+        ge=1,
+        description="Most batch lines per broker message (smaller when the model's workers are small: "
+        "see app/services/dispatch.py).",
+    )
+    batch_dispatch_headroom: float = Field(
+        default=1.5,
+        ge=1,
+        description="Batch lines out per model = this x the live workers' capacity, so each worker has "
+        "its next lines at hand.",
+    )
+    batch_cold_window: int = Field(
+        default=256,
+        ge=1,
+        description="Batch lines sent for a model with no live worker (scale from zero): a starting "
+        "worker finds them at once.",
+    )
+    batch_dispatch_window: int | None = Field(
+        default=None, ge=1, description="Optional ceiling on batch lines out per model; unset: none."
     )
     batch_tick_seconds: float = Field(default=0.2, gt=0, description="How often the batch feeder runs.")
 
@@ -272,6 +303,11 @@ class Settings(BaseSettings):
         if self.model:
             return Path(self.model.rstrip("/")).name or self.model
         return "unconfigured"
+
+    @property
+    def declared_models(self) -> list[str]:
+        """The names in `LLMQ_MODELS`, in order, without repeats."""
+        return list(dict.fromkeys(n.strip() for n in self.models.split(",") if n.strip()))
 
     @property
     def inflight_limit(self) -> int:

@@ -15,11 +15,13 @@ from typing import Any
 
 from app.container import redis_client
 from app.db import Database
+from app.domain.prompts import ChatRenderer
 from app.events import JobEvents
 from app.liveness import Liveness
 from app.queue import JobQueue, create_producer
 from app.services.batch_lifecycle import BatchLifecycle
-from app.services.health import absent_workers, live_capacity
+from app.services.health import absent_workers, live_capacities
+from app.services.model_files import local_folder, read_config, vocab_size
 from app.services.sandbox import ConstraintSandbox
 from app.settings import Settings
 from worker.batches import BatchScheduler
@@ -163,9 +165,11 @@ class WorkerRuntime:
                 self.db,
                 self.queue,
                 self.events,
-                window=settings.batch_dispatch_window,
                 chunk=settings.batch_chunk_size,
-                capacity=lambda model: live_capacity(self.redis, model),
+                window=settings.batch_dispatch_window,
+                capacities=lambda model: live_capacities(self.redis, model),
+                headroom=settings.batch_dispatch_headroom,
+                cold_window=settings.batch_cold_window,
             ),
             tick_seconds=settings.batch_tick_seconds,
         )
@@ -175,6 +179,10 @@ class WorkerRuntime:
             self.redis, self.name, self.info, consuming, settings.worker_heartbeat_seconds
         )
         self.presence = Presence(self.redis, self.name, settings.worker_presence_ttl_seconds)
+        # What the API needs to count prompts for this model: where its tokenizer is (the
+        # folder or name this worker loaded; none for an engine without a tokenizer).
+        self.tokenizer_source = settings.model if isinstance(renderer, ChatRenderer) else None
+        self._vocab_size: int | None = None
         self._stopped = threading.Event()
 
     def _absent(self, owners: list[str]) -> set[str]:
@@ -185,10 +193,24 @@ class WorkerRuntime:
     def _pids(self) -> list[int]:
         return [os.getpid(), *self.engine.process_ids()]
 
+    def vocab_size(self) -> int | None:
+        """From the model's config.json (its folder, or the Hugging Face cache once the
+        engine has downloaded it); None while unknown."""
+        if self._vocab_size is None and self.tokenizer_source:
+            self._vocab_size = vocab_size(read_config(local_folder(self.tokenizer_source)))
+        return self._vocab_size
+
     def info(self) -> dict[str, Any]:
+        """This worker's registry entry: the model it serves (name, context length from the
+        engine, tokenizer source, vocabulary size when known) and its in-flight capacity.
+        The API serves the models these entries name (app/services/models.py) and the batch
+        feeder sizes its window from the capacities (app/services/dispatch.py)."""
         return {
             "name": self.name,
             "model": self.settings.model_name,
+            "max_model_len": self.engine.max_model_len(),
+            "tokenizer": self.tokenizer_source,
+            "vocab_size": self.vocab_size(),
             "engine": "dead" if self.runner.engine_dead.is_set() else "ok",
             "inflight": len(self.runner.inflight()),
             "capacity": self.settings.inflight_limit,

@@ -1,4 +1,4 @@
-"""`GET /v1/models`: what this deployment serves."""
+"""`GET /v1/models`: what this deployment serves now (app/services/models.py)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,16 @@ _STARTED = 0
 
 @bp.get("/v1/models")
 def list_models() -> Response:
-    s = services()
+    models = services().models.all()
     cards = [
-        ModelCard(id=name, created=_STARTED, max_model_len=s.max_model_len)
-        for name in sorted(s.served_models)
+        ModelCard(
+            id=m.name,
+            created=_STARTED,
+            max_model_len=m.max_model_len,
+            live=m.live,
+            workers=len(m.capacities),
+            declared=m.declared,
+        )
+        for m in sorted(models.values(), key=lambda m: m.name)
     ]
     return jsonify(ModelList(data=cards).model_dump())

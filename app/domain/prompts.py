@@ -144,6 +144,11 @@ class ChatRenderer:
             inprocess_max_bytes=inprocess_max_bytes,
         )
 
+    def close(self) -> None:
+        """Stop the sandbox processes (the renderer is dropped)."""
+        if self._sandbox is not None:
+            self._sandbox.close()
+
     def _sandbox_param(self, req: ChatCompletionV2Request, call: TemplateCall) -> str | None:
         """The field whose input sends this render to the sandbox, or None (in-process)."""
         if req.chat_template is not None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+from pydantic import Field
+
 from app.domain.status import JobStatus
 from app.schemas.base import WireModel
 
@@ -59,11 +61,20 @@ class JobList(WireModel):
 
 
 class ModelCard(WireModel):
+    """OpenAI's model object, with what a client of a queue needs to know besides."""
+
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "llmq"
-    max_model_len: int | None = None
+    max_model_len: int | None = Field(
+        default=None, description="Context length in tokens; null while no worker has reported it."
+    )
+    live: bool = Field(description="A worker serving this model is consuming now.")
+    workers: int = Field(description="Live workers serving this model.")
+    declared: bool = Field(
+        description="Served even with no live worker (LLMQ_MODELS): its jobs wait for a worker."
+    )
 
 
 class ModelList(WireModel):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -23,6 +23,7 @@ from app.models import Batch, File
 from app.queue import JobQueue
 from app.services.batch_output import output_lines
 from app.services.batch_transitions import BATCH_COUNTS, end_lines, materialize, tell_ended
+from app.services.dispatch import DispatchPlan, dispatch_plan
 from app.services.fair_share import FairShare
 
 log = logging.getLogger("llmq.batches")
@@ -37,15 +38,22 @@ class FeedReport:
 
 
 class BatchLifecycle:
+    """`capacities(model)`: the in-flight capacity of each live worker serving `model`
+    (the registry); the window and chunk follow from it (app/services/dispatch.py), with
+    `window` as a ceiling. Without `capacities`, `window` (else `cold_window`) and `chunk`
+    are fixed."""
+
     def __init__(
         self,
         db: Database,
         queue: JobQueue,
         events: JobEvents,
         *,
-        window: int,
         chunk: int,
-        capacity: Callable[[str], int | None] | None = None,
+        window: int | None = None,
+        capacities: Callable[[str], Sequence[int]] | None = None,
+        headroom: float = 1.5,
+        cold_window: int = 256,
         share: FairShare | None = None,
     ) -> None:
         self._db = db
@@ -53,22 +61,31 @@ class BatchLifecycle:
         self._events = events
         self._window = window
         self._chunk = chunk
-        self._capacity = capacity
+        self._capacities = capacities
+        self._headroom = headroom
+        self._cold_window = cold_window
         self._share = share or FairShare()
-        self._live: dict[str, tuple[float, int | None]] = {}
+        self._live: dict[str, tuple[float, Sequence[int]]] = {}
 
-    def window(self, model: str) -> int:
-        """Lines that may be out (sent or running) for `model`: the setting, but no more than
-        the live workers serving it can run at once. Lines sent beyond that would only wait
-        in a worker (or be handed back by it) instead of here, where the fair share applies."""
-        if self._capacity is None:
-            return self._window
+    def plan(self, model: str) -> DispatchPlan:
+        """Lines that may be out (sent or running) for `model`, and lines per message."""
+        if self._capacities is None:
+            window = self._window or self._cold_window
+            return DispatchPlan(window=window, chunk=max(1, min(self._chunk, window)))
         seen = self._live.get(model)
         if seen is None or time.monotonic() - seen[0] > CAPACITY_TTL_SECONDS:
-            seen = (time.monotonic(), self._capacity(model))  # a registry scan: not every tick
+            seen = (time.monotonic(), self._capacities(model))  # a registry read: not every tick
             self._live[model] = seen
-        live = seen[1]
-        return min(self._window, live) if live else self._window
+        return dispatch_plan(
+            seen[1],
+            headroom=self._headroom,
+            chunk=self._chunk,
+            cold_window=self._cold_window,
+            ceiling=self._window,
+        )
+
+    def window(self, model: str) -> int:
+        return self.plan(model).window
 
     def feed(self) -> FeedReport:
         """Send waiting batch lines to the broker while fewer than `window` lines per model
@@ -80,8 +97,8 @@ class BatchLifecycle:
         with self._db.session() as s:
             models = list(s.scalars(OWED_MODELS))
         for model in models:
-            window = self.window(model)
-            chunk = min(self._chunk, window)
+            plan = self.plan(model)
+            window, chunk = plan.window, plan.chunk
             with self._db.session() as s:
                 room = window - int(s.scalar(OUT, {"model": model}) or 0)
                 if room < chunk:

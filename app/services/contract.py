@@ -19,6 +19,7 @@ from app.domain.tools import plan_tools
 from app.errors import InvalidRequest, NotFound, Unsupported
 from app.schemas.chat import ChatCompletionV2Request, ImagePart, TextPart
 from app.services.addresses import Resolver, system_resolver, url_refusal
+from app.services.models import PromptCounter, ServedModel
 from app.settings import Settings
 
 # Fields the engine path implements (some with conditions, checked in `check`).
@@ -109,6 +110,8 @@ WHY_UNSUPPORTED: dict[str, str] = {
 }
 
 LOGIT_BIAS_RANGE = 100.0
+# Served models named in a 404's message, at most.
+MODELS_LISTED = 20
 
 # `chat_template_kwargs` reach `apply_chat_template(**kwargs)` and then the template's render
 # call, so a key there can replace the template, switch tokenization on, pad, truncate, or
@@ -164,6 +167,16 @@ RESERVED_TEMPLATE_KWARGS: frozenset[str] = frozenset(
 )
 
 
+class ModelCatalog(Protocol):
+    """The served models (app/services/models.py's `ModelRegistry`)."""
+
+    def get(self, name: str) -> ServedModel | None: ...
+
+    def names(self) -> frozenset[str]: ...
+
+    def prompt_counter(self, model: ServedModel) -> PromptCounter | None: ...
+
+
 class ConstraintChecker(Protocol):
     """Compiles a constraint where a crash costs nothing (`app.services.sandbox`)."""
 
@@ -176,18 +189,12 @@ class RequestPolicy:
     def __init__(
         self,
         settings: Settings,
-        served_models: frozenset[str],
+        models: ModelCatalog,
         *,
-        count_prompt: Callable[[ChatCompletionV2Request], int] | None = None,
-        max_model_len: int | None = None,
-        vocab_size: int | None = None,
         constraints: ConstraintChecker | None = None,
     ) -> None:
         self._settings = settings
-        self._served = served_models
-        self._count_prompt = count_prompt
-        self._max_model_len = max_model_len
-        self._vocab_size = vocab_size
+        self._models = models
         self._limits = ConstraintLimits.of(settings)
         self._constraints = constraints
 
@@ -199,17 +206,13 @@ class RequestPolicy:
         `count_tokens`: off for batch lines, where a prompt over the context fails its own line.
 
         Raises:
-            NotFound: `model` is not served here.
+            NotFound: `model` is neither declared nor served by a live worker.
             Unsupported: a field set to something this deployment does not honour.
             InvalidRequest: a bound is exceeded or fields contradict each other.
         """
-        if req.model not in self._served:
-            raise NotFound(
-                f"The model `{req.model}` does not exist or is not served here; "
-                f"served: {', '.join(sorted(self._served))}",
-                param="model",
-                code="model_not_found",
-            )
+        model = self._models.get(req.model)
+        if model is None:
+            raise model_not_found(req.model, self._models.names())
         if req.stream and not streaming:
             raise InvalidRequest(
                 "`stream: true` is for /v1/chat/completions and /v2/chat/completions; a queued "
@@ -217,13 +220,13 @@ class RequestPolicy:
                 param="stream",
             )
         self._check_fields(req)
-        self._check_sampling(req)
+        self._check_sampling(req, model.vocab_size)
         self._check_template(req)
         self._check_output(req)
         self._check_bounds(req)
         self._check_messages(req)
         if count_tokens:
-            self._check_prompt_length(req)
+            self._check_prompt_length(req, model)
 
     def _check_fields(self, req: ChatCompletionV2Request) -> None:
         for name in req.model_fields_set - HONOURED:
@@ -236,7 +239,7 @@ class RequestPolicy:
             why = WHY_UNSUPPORTED.get(name, "this deployment does not honour it")
             raise Unsupported(f"`{name}` is not supported: {why}", param=name)
 
-    def _check_sampling(self, req: ChatCompletionV2Request) -> None:
+    def _check_sampling(self, req: ChatCompletionV2Request, vocab: int | None) -> None:
         n = req.n or 1
         if req.best_of is not None and req.best_of != n:
             raise Unsupported(
@@ -251,7 +254,6 @@ class RequestPolicy:
                 raise InvalidRequest(f"`logit_bias` keys are token ids; got {token!r}", param="logit_bias")
             if not -LOGIT_BIAS_RANGE <= bias <= LOGIT_BIAS_RANGE:
                 raise InvalidRequest("`logit_bias` values must be between -100 and 100", param="logit_bias")
-        vocab = self._vocab_size
         if vocab is not None:
             outside = [int(t) for t in req.logit_bias or {} if int(t) >= vocab]
             if outside:
@@ -368,10 +370,27 @@ class RequestPolicy:
                     param=f"{param}.type",
                 )
 
-    def _check_prompt_length(self, req: ChatCompletionV2Request) -> None:
-        if self._count_prompt is None or self._max_model_len is None or req.chat_template is not None:
+    def _check_prompt_length(self, req: ChatCompletionV2Request, model: ServedModel) -> None:
+        """Where the model's context length is known and its tokenizer is reachable from here;
+        otherwise the worker, which renders every prompt, applies the same rule."""
+        if model.max_model_len is None or req.chat_template is not None:
             return
-        completion_budget(req, self._count_prompt(req), self._max_model_len)
+        count = self._models.prompt_counter(model)
+        if count is not None:
+            completion_budget(req, count(req), model.max_model_len)
+
+
+def model_not_found(name: str, served: frozenset[str]) -> NotFound:
+    listed = sorted(served)
+    shown = ", ".join(listed[:MODELS_LISTED])
+    if len(listed) > MODELS_LISTED:
+        shown += f" and {len(listed) - MODELS_LISTED} more"
+    return NotFound(
+        f"The model `{name}` does not exist or is not served here; "
+        + (f"served: {shown}" if listed else "no model is served now"),
+        param="model",
+        code="model_not_found",
+    )
 
 
 def _template_refused(param: str) -> Unsupported:

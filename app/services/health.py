@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +19,13 @@ from sqlalchemy import text
 from app.db import Database
 
 WORKER_KEY = "llmq:worker:{name}"
-WORKER_PATTERN = "llmq:worker:*"
+# The names of registered workers, scored by when each last registered: an index, so a
+# registry read is one ZRANGE and one MGET, not a SCAN of a keyspace that holds a marker per
+# queued job. The entry's own key (and its TTL) decides whether a worker is live.
+WORKER_INDEX = "llmq:workers"
+# An indexed name whose entry has lapsed is dropped from the index once it is this old (a
+# worker that registered again since has a newer score and is kept).
+INDEX_PRUNE_SECONDS = 60.0
 # A worker process's presence: refreshed by a thread of its own while the process lives,
 # consuming or not (the registry entry above comes and goes with consuming). The sweeper
 # re-queues the running jobs of a worker whose presence lapsed.
@@ -32,11 +39,19 @@ class Readiness:
 
 
 def register_worker(redis: Redis[bytes], name: str, info: dict[str, Any], ttl_seconds: int) -> None:
-    redis.set(WORKER_KEY.format(name=name), json.dumps(info), ex=ttl_seconds)
+    """Publish `info` (see `WorkerRuntime.info`: the model served, its context length,
+    in-flight capacity and tokenizer source) for `ttl_seconds`."""
+    pipe = redis.pipeline(transaction=False)
+    pipe.set(WORKER_KEY.format(name=name), json.dumps(info), ex=ttl_seconds)
+    pipe.zadd(WORKER_INDEX, {name: time.time()})
+    pipe.execute()
 
 
 def unregister_worker(redis: Redis[bytes], name: str) -> None:
-    redis.delete(WORKER_KEY.format(name=name))
+    pipe = redis.pipeline(transaction=False)
+    pipe.delete(WORKER_KEY.format(name=name))
+    pipe.zrem(WORKER_INDEX, name)
+    pipe.execute()
 
 
 def mark_present(redis: Redis[bytes], name: str, ttl_seconds: float) -> None:
@@ -64,23 +79,29 @@ def absent_workers(redis: Redis[bytes], names: list[str], ttl_seconds: float) ->
 
 
 def live_workers(redis: Redis[bytes]) -> list[dict[str, Any]]:
-    keys = list(redis.scan_iter(match=WORKER_PATTERN, count=100))
-    if not keys:
+    """The registry entries of the workers consuming now."""
+    indexed = redis.zrange(WORKER_INDEX, 0, -1, withscores=True)
+    if not indexed:
         return []
-    values = redis.mget(keys)
+    values = redis.mget([WORKER_KEY.format(name=name.decode()) for name, _ in indexed])
+    old = time.time() - INDEX_PRUNE_SECONDS
+    stale = [name for (name, score), v in zip(indexed, values, strict=True) if v is None and score < old]
+    if stale:
+        redis.zrem(WORKER_INDEX, *stale)
     return [json.loads(v) for v in values if v]
 
 
-def live_capacity(redis: Redis[bytes], model: str) -> int:
-    """Jobs the live workers serving `model` can run at once, all together (0: none live)."""
-    return sum(int(w.get("capacity") or 0) for w in live_workers(redis) if w.get("model") == model)
+def live_capacities(redis: Redis[bytes], model: str) -> list[int]:
+    """The in-flight capacity (jobs at once) of each live worker serving `model`."""
+    return [int(w.get("capacity") or 0) for w in live_workers(redis) if w.get("model") == model]
 
 
 class HealthService:
-    def __init__(self, db: Database, redis: Redis[bytes], served_models: frozenset[str]) -> None:
+    def __init__(self, db: Database, redis: Redis[bytes], served: Callable[[], frozenset[str]]) -> None:
+        """`served`: the served models now (app/services/models.py's registry)."""
         self._db = db
         self._redis = redis
-        self._served = served_models
+        self._served = served
 
     def readiness(self, *, details: bool = True) -> Readiness:
         """Database, Redis and consuming workers. Without `details`, workers are counted
@@ -101,8 +122,9 @@ class HealthService:
             workers = live_workers(self._redis)
         except Exception as exc:  # noqa: BLE001
             checks["redis"] = {"ok": False, "error": type(exc).__name__}
-        consuming = [w for w in workers if w.get("model") in self._served and w.get("consuming")]
-        per_model = dict.fromkeys(sorted(self._served), 0)
+        served = self._served()
+        consuming = [w for w in workers if w.get("model") in served and w.get("consuming")]
+        per_model = dict.fromkeys(sorted(served), 0)
         for w in consuming:
             per_model[str(w.get("model"))] += 1
         checks["workers"] = {"ok": bool(consuming), "consuming": len(consuming), "per_model": per_model}

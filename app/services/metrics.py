@@ -6,7 +6,7 @@ many finished jobs the table holds."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from redis import Redis
@@ -49,12 +49,13 @@ def _escape(value: str) -> str:
 
 class MetricsService:
     def __init__(
-        self, db: Database, redis: Redis[bytes], liveness: Liveness, served_models: frozenset[str]
+        self, db: Database, redis: Redis[bytes], liveness: Liveness, served: Callable[[], frozenset[str]]
     ) -> None:
+        """`served`: the served models now (app/services/models.py's registry)."""
         self._db = db
         self._redis = redis
         self._liveness = liveness
-        self._served = served_models
+        self._served = served
 
     def render(self, *, details: bool = True) -> str:
         """The exposition text. Without `details`, per-worker series (labelled with worker
@@ -93,10 +94,11 @@ class MetricsService:
             capacity = Family("llmq_model_capacity", "Jobs the live workers of a model run at once at most.")
         summed: dict[str, list[float]] = {}
         try:
-            for model in sorted(self._served):
+            served = self._served()
+            for model in sorted(served):
                 depth.add(self._liveness.depth(model), model=model)
             unacked.add(self._liveness.unacked_count())
-            per_model: dict[str, int] = dict.fromkeys(self._served, 0)
+            per_model: dict[str, int] = dict.fromkeys(served, 0)
             for w in live_workers(self._redis):
                 model = str(w.get("model", ""))
                 if w.get("consuming"):

@@ -177,17 +177,18 @@ def test_feeder_shares_lines_across_tenants_not_oldest_batch_first(client: Flask
     assert b_line <= 1, f"tenant B's line went out {b_line}th, behind tenant A's older batch"
 
 
-def test_feeder_window_is_capped_by_live_capacity(services) -> None:
+def test_feeder_window_follows_live_capacity(services) -> None:
+    """Two live workers of 128 each: 1.5 x 256 lines out, chunks of a quarter of a worker;
+    none live: the cold window; the setting only caps it."""
     lifecycle = BatchLifecycle(
-        services.db,
-        RecordingQueue(),
-        services.events,
-        window=512,
-        chunk=32,
-        capacity=lambda model: 128,  # type: ignore[arg-type]
-    )
-    assert lifecycle.window("api-only") == 128
-    idle = BatchLifecycle(
-        services.db, RecordingQueue(), services.events, window=512, chunk=32, capacity=lambda m: 0
+        services.db, RecordingQueue(), services.events, chunk=64, capacities=lambda model: [128, 128]
     )  # type: ignore[arg-type]
-    assert idle.window("api-only") == 512  # no worker registered: the setting
+    assert (lifecycle.plan("api-only").window, lifecycle.plan("api-only").chunk) == (384, 32)
+    capped = BatchLifecycle(
+        services.db, RecordingQueue(), services.events, chunk=64, window=100, capacities=lambda m: [128]
+    )  # type: ignore[arg-type]
+    assert capped.window("api-only") == 100
+    idle = BatchLifecycle(
+        services.db, RecordingQueue(), services.events, chunk=64, cold_window=200, capacities=lambda m: []
+    )  # type: ignore[arg-type]
+    assert (idle.plan("api-only").window, idle.plan("api-only").chunk) == (200, 50)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
+from app.services.models import ModelRegistry, ServedModel
 from worker.store import Claim, Result
 
 
@@ -130,3 +132,17 @@ class DyingEngine:
             if self.dead:
                 raise EngineDead("engine core died")
             yield update
+
+
+def served(
+    *names: str,
+    max_model_len: int | None = None,
+    vocab_size: int | None = None,
+    count: Callable[[Any], int] | None = None,
+) -> ModelRegistry:
+    """A registry with no live worker serving the declared `names`, each with this context
+    length and vocabulary, and prompts counted by `count` (None: no tokenizer reachable)."""
+    models = [
+        ServedModel(n, declared=True, max_model_len=max_model_len, vocab_size=vocab_size) for n in names
+    ]
+    return ModelRegistry(lambda: [], declared=models, counters=(lambda m: count) if count else None)

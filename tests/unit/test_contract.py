@@ -8,9 +8,10 @@ from app.errors import InvalidRequest, NotFound, Unsupported
 from app.schemas.chat import ChatCompletionV2Request
 from app.services.contract import HONOURED, RequestPolicy, unsafe_url_reason
 from app.settings import Settings
+from tests.unit.fakes import served
 
 SETTINGS = Settings(max_n=4, max_tokens_limit=100, max_messages=3)
-POLICY = RequestPolicy(SETTINGS, frozenset({"m"}))
+POLICY = RequestPolicy(SETTINGS, served("m"))
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
@@ -124,7 +125,7 @@ def test_each_honoured_field_passes(name: str) -> None:
     policy = POLICY
     if name == "chat_template":
         allowing = SETTINGS.model_copy(update={"allow_custom_chat_template": True})
-        policy = RequestPolicy(allowing, frozenset({"m"}))
+        policy = RequestPolicy(allowing, served("m"))
         with pytest.raises(Unsupported):
             POLICY.check(req(**fields), streaming=True)
     policy.check(req(**fields), streaming=True)
@@ -148,14 +149,14 @@ def test_conditional_refusals(fields, param) -> None:
 
 
 def test_custom_template_allowed_by_setting() -> None:
-    allowing = RequestPolicy(Settings(allow_custom_chat_template=True), frozenset({"m"}))
+    allowing = RequestPolicy(Settings(allow_custom_chat_template=True), served("m"))
     allowing.check(req(chat_template="{{ messages }}"))
     with pytest.raises(InvalidRequest):
         allowing.check(req(chat_template="x" * 70_000))
 
 
 def test_auto_tools_with_a_parser() -> None:
-    RequestPolicy(Settings(tool_call_parser="hermes"), frozenset({"m"})).check(req(tools=TOOLS))
+    RequestPolicy(Settings(tool_call_parser="hermes"), served("m")).check(req(tools=TOOLS))
 
 
 @pytest.mark.parametrize(
@@ -253,12 +254,12 @@ def test_bounds(fields, param) -> None:
 
 
 def test_prompt_length_is_counted_before_queuing() -> None:
-    counting = RequestPolicy(SETTINGS, frozenset({"m"}), count_prompt=lambda r: 90, max_model_len=100)
+    counting = RequestPolicy(SETTINGS, served("m", count=lambda r: 90, max_model_len=100))
     counting.check(req(max_tokens=10))
     with pytest.raises(InvalidRequest) as exc:
         counting.check(req(max_tokens=11))
     assert exc.value.code == "context_length_exceeded" and exc.value.param == "max_tokens"
-    too_long = RequestPolicy(SETTINGS, frozenset({"m"}), count_prompt=lambda r: 100, max_model_len=100)
+    too_long = RequestPolicy(SETTINGS, served("m", count=lambda r: 100, max_model_len=100))
     with pytest.raises(InvalidRequest) as exc:
         too_long.check(req())
     assert exc.value.param == "messages"
@@ -299,7 +300,7 @@ def test_unknown_model() -> None:
 def test_template_kwargs_that_change_the_template_or_its_call_are_refused(key: str) -> None:
     """`chat_template_kwargs` reach `apply_chat_template(**kwargs)`: only plain template
     variables may pass, or the template refusal is bypassed (issue 9 item 2)."""
-    for policy in (POLICY, RequestPolicy(Settings(allow_custom_chat_template=True), frozenset({"m"}))):
+    for policy in (POLICY, RequestPolicy(Settings(allow_custom_chat_template=True), served("m"))):
         with pytest.raises(InvalidRequest) as exc:
             policy.check(req(chat_template_kwargs={key: "{% for i in range(3000) %}{% endfor %}"}))
         assert exc.value.status == 400

@@ -15,6 +15,7 @@ from app.events import EventId, parse_event_id
 from app.services.contract import RequestPolicy
 from app.services.files import LineChecker
 from app.settings import Settings
+from tests.unit.fakes import served
 
 EXAMPLES = int(os.environ.get("LLMQ_FUZZ_EXAMPLES", "200"))
 FUZZ = settings(
@@ -24,7 +25,7 @@ FUZZ = settings(
     derandomize=os.environ.get("CI") == "true",
     database=None,
 )
-POLICY = RequestPolicy(Settings(), frozenset({"m"}))
+POLICY = RequestPolicy(Settings(), served("m"))
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),

@@ -18,6 +18,7 @@ from app.services.contract import RequestPolicy
 from app.services.sandbox import ConstraintSandbox
 from app.settings import Settings
 from tests.bombs import chained_grammar, ref_chain_schema
+from tests.unit.fakes import served
 
 
 def req(**fields) -> ChatCompletionV2Request:
@@ -166,7 +167,7 @@ SMALL = Settings(
     max_choices=5,
     max_choice_bytes=10,
 )
-POLICY = RequestPolicy(SMALL, frozenset({"m"}))
+POLICY = RequestPolicy(SMALL, served("m"))
 
 
 def schema_format(schema) -> dict:
@@ -238,7 +239,7 @@ def test_a_recursive_schema_is_not_an_endless_ref_chain() -> None:
 
 
 def test_default_bounds_refuse_the_bombs_from_the_issue() -> None:
-    policy = RequestPolicy(Settings(), frozenset({"m"}))
+    policy = RequestPolicy(Settings(), served("m"))
     for fields, param in [
         ({"response_format": schema_format(ref_chain_schema())}, "response_format.json_schema.schema"),
         ({"guided_grammar": chained_grammar()}, "guided_grammar"),
@@ -249,7 +250,7 @@ def test_default_bounds_refuse_the_bombs_from_the_issue() -> None:
 
 
 def test_out_of_vocabulary_token_ids_are_400s() -> None:
-    policy = RequestPolicy(Settings(), frozenset({"m"}), vocab_size=100)
+    policy = RequestPolicy(Settings(), served("m", vocab_size=100))
     policy.check(req(logit_bias={"99": 1}, stop_token_ids=[99]))
     for fields, param in [
         ({"logit_bias": {"100": 1}}, "logit_bias"),
@@ -261,7 +262,7 @@ def test_out_of_vocabulary_token_ids_are_400s() -> None:
         assert exc.value.param == param
     # Without a known vocabulary, a negative id is still refused.
     with pytest.raises(InvalidRequest):
-        RequestPolicy(Settings(), frozenset({"m"})).check(req(stop_token_ids=[-3]))
+        RequestPolicy(Settings(), served("m")).check(req(stop_token_ids=[-3]))
 
 
 # --- the sandbox -------------------------------------------------------------------------
@@ -350,7 +351,7 @@ def test_policy_compiles_in_the_sandbox_before_queuing(sandbox: ConstraintSandbo
     roomy = Settings(
         max_schema_bytes=1 << 20, max_schema_refs=5000, max_schema_ref_depth=5000, max_grammar_rules=10**6
     )
-    policy = RequestPolicy(roomy, frozenset({"m"}), constraints=sandbox)
+    policy = RequestPolicy(roomy, served("m"), constraints=sandbox)
     with pytest.raises(InvalidRequest) as exc:
         policy.check(req(guided_grammar=chained_grammar()))
     assert exc.value.param == "guided_grammar" and "crashed" in exc.value.message
