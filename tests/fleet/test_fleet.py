@@ -125,6 +125,12 @@ def test_each_models_jobs_run_only_on_its_own_pool(fleet: Formation) -> None:
     pools = fleet.pools()
     assert {m: len(p) for m, p in pools.items()} == {MODEL_A: 2, MODEL_B: 1}
     clients = [fleet.client(0), fleet.client(1)]
+    for c in clients:  # both replicas serve both models, each with its pool
+        cards = {m["id"]: m for m in c.get("/v1/models").json()["data"]}
+        assert {m: (cards[m]["live"], cards[m]["workers"]) for m in pools} == {
+            MODEL_A: (True, 2),
+            MODEL_B: (True, 1),
+        }
     bodies = [job_body(model, i) for i in range(12) for model in (MODEL_A, MODEL_B)]
     with ThreadPoolExecutor(4) as pool:
         ids = list(
@@ -162,6 +168,7 @@ def test_a_batch_spreads_takes_a_new_worker_and_survives_kill_9(fleet: Formation
     a1, a2 = sorted(pools[MODEL_A])
     client, other = fleet.client(0), fleet.client(1)
     big = submit_batch(client, MODEL_A, BIG)
+    side = submit_batch(other, MODEL_B, SIDE)
 
     # A fifth of the way, a worker of model A's pool starts; it takes lines within 10 s of
     # its start (the feeder's window grows with its capacity).
@@ -214,6 +221,10 @@ def test_a_batch_spreads_takes_a_new_worker_and_survives_kill_9(fleet: Formation
     )
     assert {name for name, _ in rerun} <= {a1, a2} and sum(n for _, n in rerun) == len(in_flight)
 
+    side_done = wait_batch(other, side, 120)
+    assert side_done["status"] == "completed", side_done
+    inv(fleet, other, side_done, SIDE)
+    assert set(finished_by(fleet, side)) == pools[MODEL_B]
     print(f"first line {took:.1f}s after start; shares {dict(shares)}; re-run {len(in_flight)}")
     client.close()
     other.close()
