@@ -40,7 +40,10 @@ def local_folder(source: str | None) -> Path | None:
     from huggingface_hub import try_to_load_from_cache
 
     for name in ("config.json", *_TOKENIZER_FILES):
-        found = try_to_load_from_cache(source, name)
+        try:
+            found = try_to_load_from_cache(source, name)
+        except Exception:  # noqa: BLE001 - not a valid model name: not here
+            return None
         if isinstance(found, str):
             return Path(found).parent
     return None

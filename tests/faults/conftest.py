@@ -99,13 +99,14 @@ class FaultStack:
         max_tokens: int = 20,
         special: dict[int, str] | None = None,
         fields: dict[int, dict[str, Any]] | None = None,
+        model: str = MODEL,
     ) -> str:
         """`special`: a line's message text; `fields`: more body fields for a line."""
         lines = []
         for i in range(n):
             content = (special or {}).get(i, f"line {i}")
             body = {
-                "model": MODEL,
+                "model": model,
                 "messages": [{"role": "user", "content": content}],
                 "max_tokens": max_tokens,
                 **(fields or {}).get(i, {}),

@@ -187,6 +187,7 @@ def test_a_model_folder_that_is_not_here_is_not_looked_up_as_a_name() -> None:
 
     assert local_folder("/models/absent-on-this-machine") is None
     assert local_folder(None) is None
+    assert local_folder("not a valid :: name") is None  # refused by the hub's name check: not here
 
 
 # --- dispatch -----------------------------------------------------------------------------
