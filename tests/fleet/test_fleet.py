@@ -225,7 +225,10 @@ def test_a_batch_spreads_takes_a_new_worker_and_survives_kill_9(fleet: Formation
     assert side_done["status"] == "completed", side_done
     inv(fleet, other, side_done, SIDE)
     assert set(finished_by(fleet, side)) == pools[MODEL_B]
-    print(f"first line {took:.1f}s after start; shares {dict(shares)}; re-run {len(in_flight)}")
+    print(
+        f"joined: first line {took:.1f}s after its start; killed at {sum(at_kill.values())} of {BIG} "
+        f"lines with {len(in_flight)} in flight; shares {sorted(shares.values())}"
+    )
     client.close()
     other.close()
 
