@@ -1,9 +1,12 @@
-"""The fleet tier: one honcho formation per module (tests/fleet/formation.py), its logs kept
-under pytest's temporary folder for a failure's post-mortem."""
+"""The fleet tier: one honcho formation per module (tests/fleet/formation.py), its logs
+kept after a failure for the post-mortem."""
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -22,8 +25,11 @@ ENGINE = {
 
 
 @pytest.fixture(scope="module")
-def fleet(stores: Stores, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Formation]:
-    root = tmp_path_factory.mktemp("fleet")
+def fleet(stores: Stores, request: pytest.FixtureRequest) -> Iterator[Formation]:
+    # Not pytest's tmp_path: its retention would delete the logs a failure needs while
+    # other sessions run; they are kept when a test failed, else removed.
+    root = Path(tempfile.mkdtemp(prefix="llmq-fleet-"))
+    failed_before = request.session.testsfailed
     formation = Formation.prepare(stores, root, ENGINE)
     try:
         formation.release()
@@ -33,3 +39,7 @@ def fleet(stores: Stores, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     finally:
         formation.cleanup()
         formation.drop_database()
+        if request.session.testsfailed == failed_before:
+            shutil.rmtree(root, ignore_errors=True)
+        else:
+            print(f"fleet logs kept in {root}")
