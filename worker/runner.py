@@ -64,6 +64,11 @@ class RunnerConfig:
     max_inflight: int | None = None
     # Requests larger than this (bytes of stored JSON) fail before they are parsed or rendered.
     max_request_bytes: int = 2 * 1024 * 1024
+    # How long a chunk of batch lines waits for a free job slot before it goes back to the
+    # feeder whole. A full worker still takes messages (its broker prefetch counts messages,
+    # not lines), and a chunk waiting in it is out of every other worker's reach; its engine
+    # meanwhile has its own waiting lines, so handing the chunk on costs it nothing.
+    chunk_slot_wait_seconds: float = 2.0
 
 
 class Outcome:
@@ -195,14 +200,17 @@ class JobRunner:
         (someone else has it, or it is over) or the result was fenced out."""
         return self.run_many([job_id]).get(job_id)
 
-    def run_many(self, job_ids: list[str]) -> dict[str, str | None]:
+    def run_many(self, job_ids: list[str], *, batch: bool = False) -> dict[str, str | None]:
         """Run the jobs among `job_ids` that can be claimed, all at once in the engine. When
         this worker has fewer free job slots than `job_ids` (a chunk of batch lines), it
         runs as many as it has room for and hands the rest back to the batch feeder at once,
-        unclaimed: jobs in the engine never exceed the worker's capacity."""
+        unclaimed: jobs in the engine never exceed the worker's capacity. A `batch` chunk
+        that finds no slot free within `chunk_slot_wait_seconds` goes back whole; other
+        jobs wait for a slot."""
         if self.engine_dead.is_set():
             raise EngineDead("engine is dead; refusing new work")
-        held = self._slots.take(len(job_ids)) if self._slots is not None else len(job_ids)
+        wait = self._config.chunk_slot_wait_seconds if batch else None
+        held = self._slots.take(len(job_ids), wait) if self._slots is not None else len(job_ids)
         try:
             if self._draining.is_set():
                 # Shutting down (it may have waited for this slot since before): the jobs go
@@ -215,7 +223,7 @@ class JobRunner:
                 job_ids = job_ids[:held]
                 self._persist(lambda: self._store.undispatch(rest), {"jobs": len(rest)})
                 log.info("worker full; batch lines handed back to the feeder", extra={"jobs": len(rest)})
-            return self._run_claimable(job_ids)
+            return self._run_claimable(job_ids) if job_ids else {}
         finally:
             if self._slots is not None:
                 self._slots.give(held)

@@ -23,14 +23,15 @@ class JobSlots:
         with self._freed:
             return self._used
 
-    def take(self, wanted: int) -> int:
-        """Wait until a slot is free; take up to `wanted`. Returns how many were taken
-        (at least 1 when `wanted` is)."""
+    def take(self, wanted: int, timeout: float | None = None) -> int:
+        """Wait until a slot is free, for at most `timeout` seconds (None: for ever); take
+        up to `wanted`. Returns how many were taken: at least 1 when `wanted` is, unless
+        the wait timed out (0)."""
         if wanted <= 0:
             return 0
         with self._freed:
-            while self._used >= self.capacity:
-                self._freed.wait()
+            if not self._freed.wait_for(lambda: self._used < self.capacity, timeout):
+                return 0
             granted = min(wanted, self.capacity - self._used)
             self._used += granted
             return granted

@@ -24,7 +24,7 @@ def register_tasks(app: Celery) -> None:
         """A chunk of batch lines, run together in the engine."""
         rt = runtime.current()
         try:
-            statuses = rt.runner.run_many(job_ids)
+            statuses = rt.runner.run_many(job_ids, batch=True)
         finally:
             rt.liveness.spent(*job_ids)
         return sum(1 for s in statuses.values() if s is not None)

@@ -274,6 +274,46 @@ def test_jobs_in_the_engine_never_exceed_the_workers_capacity(loop: LoopThread) 
     assert runner.run("job_single") == "succeeded"
 
 
+def test_a_batch_chunk_that_finds_the_worker_full_goes_back_whole_after_a_short_wait(
+    loop: LoopThread,
+) -> None:
+    """A chunk waiting for slots in a full worker is out of every other worker's reach: after
+    `chunk_slot_wait_seconds` it goes back to the feeder, unclaimed, instead of waiting on."""
+    store, streams = FakeStore(), FakeStreams()
+    busy = [f"busy_{i}" for i in range(4)]
+    late = [f"late_{i}" for i in range(3)]
+    for job_id in busy + late:
+        store.add(job_id, body(max_tokens=100))
+    runner = JobRunner(
+        store,  # type: ignore[arg-type]
+        InstantEngine(delay=0.02),  # two seconds a job
+        loop,
+        ByteRenderer(),
+        ResourceSampler(self_pid, None),
+        streams,  # type: ignore[arg-type]
+        RunnerConfig(
+            "w1",
+            lease_seconds=30,
+            max_attempts=3,
+            job_timeout_seconds=30,
+            system_fingerprint="fp_test",
+            max_inflight=4,
+            chunk_slot_wait_seconds=0.2,
+        ),
+    )
+    first = threading.Thread(target=runner.run_many, args=(busy,), kwargs={"batch": True})
+    first.start()
+    while len(runner.inflight()) < 4:
+        time.sleep(0.01)
+    started = time.monotonic()
+    assert runner.run_many(late, batch=True) == {}
+    assert 0.2 <= time.monotonic() - started < 1.5
+    assert store.handed_back == late
+    assert all(store.jobs[j]["status"] == "queued" and store.jobs[j]["attempts"] == 0 for j in late)
+    first.join(20)
+    assert all(store.jobs[j]["status"] == "succeeded" for j in busy)
+
+
 class GatedRenderer(ByteRenderer):
     """Renders once `gate` opens, recording what it was asked to render."""
 
