@@ -206,7 +206,7 @@ class JobRunner:
         runs as many as it has room for and hands the rest back to the batch feeder at once,
         unclaimed: jobs in the engine never exceed the worker's capacity. A `batch` chunk
         that finds no slot free within `chunk_slot_wait_seconds` goes back whole; other
-        jobs wait for a slot."""
+        jobs wait for a slot. Once the worker drains (`release_all`), all go back unclaimed."""
         if self.engine_dead.is_set():
             raise EngineDead("engine is dead; refusing new work")
         wait = self._config.chunk_slot_wait_seconds if batch else None
