@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite: install, lint, type-check, migrations, unit, API and integration
-# tests (real Postgres, Redis, Celery worker and vLLM on the CPU). Extra arguments go to pytest
+# tests (real Postgres, Redis, Celery worker and vLLM on the CPU), fault tests and the fleet
+# (the Procfile under honcho). Extra arguments go to pytest
 # (LLMQ_TEST_VIA_PGBOUNCER=1 puts the database behind PgBouncer for any selection).
 # Uses Postgres on 127.0.0.1:5432 and Redis on :6379 when they answer, else starts the
 # embedded ones from the wheels.
@@ -24,9 +25,9 @@ LLMQ_TEST_PG_URL=postgresql://nobody@127.0.0.1:9/none LLMQ_TEST_REDIS_URL=redis:
   .venv/bin/python -m pytest -m unit -q
 # Both database paths, each tier once: the API tier against Postgres directly (and its
 # tests/api/test_pgbouncer.py against a PgBouncer of two server connections), the heavy
-# tiers (integration, faults, and any later one) with every API, worker and service they
+# tiers (integration, faults, fleet) with every API, worker and service they
 # start behind PgBouncer in transaction pooling mode (tests/pgbouncer.py).
 echo "== api tests (Postgres direct)"
 .venv/bin/python -m pytest -m api
-echo "== integration and fault tests (behind PgBouncer, transaction mode)"
+echo "== integration, fault and fleet tests (behind PgBouncer, transaction mode)"
 LLMQ_TEST_VIA_PGBOUNCER=1 .venv/bin/python -m pytest -m "not unit and not api"

@@ -40,7 +40,7 @@ def _redis_reachable(url: str) -> bool:
         return False
 
 
-TIERS = ("unit", "api", "integration", "faults")
+TIERS = ("unit", "api", "integration", "faults", "fleet")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -153,6 +153,9 @@ class JobRunner:
         # Constraints that have produced a token in this engine: not suspects when it dies.
         self._proven: set[str] = set()
         self.engine_dead = threading.Event()
+        # Set when the worker starts to drain: from then on nothing new is claimed, not even
+        # by a task thread that was waiting for a slot the drain's aborts free.
+        self._draining = threading.Event()
 
     # --- control from other threads -------------------------------------------------
 
@@ -179,7 +182,9 @@ class JobRunner:
 
     def release_all(self, grace_seconds: float) -> int:
         """Wait up to `grace_seconds` for running jobs to finish, then abort the rest and
-        hand them back to the queue. Returns how many were handed back."""
+        hand them back to the queue. Nothing is claimed from the call on. Returns how many
+        were handed back."""
+        self._draining.set()
         deadline = time.monotonic() + grace_seconds
         while self.inflight() and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -201,12 +206,18 @@ class JobRunner:
         runs as many as it has room for and hands the rest back to the batch feeder at once,
         unclaimed: jobs in the engine never exceed the worker's capacity. A `batch` chunk
         that finds no slot free within `chunk_slot_wait_seconds` goes back whole; other
-        jobs wait for a slot."""
+        jobs wait for a slot. Once the worker drains (`release_all`), all go back unclaimed."""
         if self.engine_dead.is_set():
             raise EngineDead("engine is dead; refusing new work")
         wait = self._config.chunk_slot_wait_seconds if batch else None
         held = self._slots.take(len(job_ids), wait) if self._slots is not None else len(job_ids)
         try:
+            if self._draining.is_set():
+                # Shutting down (it may have waited for this slot since before): the jobs go
+                # back unclaimed, to the feeder or the sweeper, for another worker.
+                self._persist(lambda: self._store.undispatch(job_ids), {"jobs": len(job_ids)})
+                log.info("worker draining; jobs handed back unclaimed", extra={"jobs": len(job_ids)})
+                return dict.fromkeys(job_ids)
             if held < len(job_ids):
                 rest = job_ids[held:]
                 job_ids = job_ids[:held]

@@ -135,6 +135,44 @@ def test_release_all_hands_unfinished_jobs_back(loop: LoopThread) -> None:
     assert store.jobs["job_1"]["status"] == "queued"
 
 
+def test_a_thread_waiting_for_a_slot_claims_nothing_once_the_worker_drains(loop: LoopThread) -> None:
+    """The drain's aborts free slots; a task thread that was waiting for one must not claim
+    new work with it (it would run past the grace): its jobs go back unclaimed."""
+    store, streams = FakeStore(), FakeStreams()
+    store.add("job_long", body(max_tokens=4000))
+    for i in range(3):
+        store.add(f"job_next_{i}", body(max_tokens=2))
+    runner = JobRunner(
+        store,  # type: ignore[arg-type]
+        InstantEngine(delay=0.01),
+        loop,
+        ByteRenderer(),
+        ResourceSampler(self_pid, None),
+        streams,  # type: ignore[arg-type]
+        RunnerConfig(
+            "w1",
+            lease_seconds=30,
+            max_attempts=3,
+            job_timeout_seconds=30,
+            system_fingerprint="fp",
+            max_inflight=1,
+        ),
+    )
+    running = threading.Thread(target=runner.run, args=("job_long",))
+    running.start()
+    wait_until(runner.inflight)
+    waiting = threading.Thread(target=runner.run_many, args=([f"job_next_{i}" for i in range(3)],))
+    waiting.start()
+    time.sleep(0.1)  # it waits for the one slot
+    assert runner.release_all(grace_seconds=0.05) == 1
+    running.join(5)
+    waiting.join(5)
+    assert not running.is_alive() and not waiting.is_alive()
+    assert {j: job["status"] for j, job in store.jobs.items()} == dict.fromkeys(store.jobs, "queued")
+    assert sorted(store.handed_back) == [f"job_next_{i}" for i in range(3)]
+    assert all(store.jobs[f"job_next_{i}"]["attempts"] == 0 for i in range(3))
+
+
 def test_stream_chunks_join_to_the_stored_text(loop: LoopThread) -> None:
     store, streams = FakeStore(), FakeStreams()
     store.add("job_1", body(max_tokens=10, n=2))
