@@ -110,7 +110,7 @@ class PromptCounters:
                 if source in self._loaded:
                     return self._loaded[source]
             try:
-                renderer = off_loop(lambda: self._load(source))
+                renderer = self._load(source)
             except Exception as exc:  # noqa: BLE001 - not reachable here: the worker checks
                 with self._lock:
                     self._failed[source] = self._clock()
@@ -139,10 +139,15 @@ class PromptCounters:
         folder = self._resolve(source)
         if folder is None:
             raise LookupError("neither a folder on this machine nor in the local Hugging Face cache")
+        from transformers import AutoTokenizer
+
+        # Only reading the tokenizer goes to a native thread: the sandbox's queue and locks
+        # are made here, on the thread (and gevent hub) whose requests will wait on them.
+        tokenizer = off_loop(lambda: AutoTokenizer.from_pretrained(folder))
         # gevent workers: a render with user input must never run in this process (it would
         # block every greenlet); the sandbox children render it under the time limit.
-        renderer = ChatRenderer.load(
-            folder,
+        renderer = ChatRenderer(
+            tokenizer,
             sandbox=template_sandbox(self._settings, folder),
             custom_templates=False,  # the API does not count user templates (the worker renders them)
             inprocess_max_bytes=self._settings.inprocess_render_max_bytes,
