@@ -121,7 +121,7 @@ def owed_order(row: Any) -> tuple[Any, ...]:
 
 _STALE_QUEUED = text(
     """
-    SELECT id, model, priority, batch_id, enqueued_at IS NULL FROM jobs
+    SELECT id, model, priority, batch_id, enqueued_at IS NULL, request_id FROM jobs
     WHERE status = 'queued'
       AND ((batch_id IS NULL AND enqueued_at IS NULL)
            OR enqueued_at < now() - make_interval(secs => :grace))
@@ -139,6 +139,7 @@ class Stale:
     priority: int
     batch_id: str | None
     never_sent: bool  # `enqueued_at` null (row 1); otherwise old
+    request_id: str | None = None  # sent again in the message's headers
 
 
 # --- decisions: pure functions of what was observed ---------------------------------------
@@ -305,7 +306,7 @@ class Liveness:
         the feeder's (row 2), not listed here."""
         with self._database().session() as s:
             rows = s.execute(_STALE_QUEUED, {"grace": grace_seconds, "limit": limit}).all()
-        return [Stale(r[0], r[1], r[2], r[3], bool(r[4])) for r in rows]
+        return [Stale(r[0], r[1], r[2], r[3], bool(r[4]), r[5]) for r in rows]
 
     def queued_among(self, job_ids: list[str]) -> set[str]:
         if not job_ids:

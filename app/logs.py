@@ -20,6 +20,7 @@ import sys
 import threading
 from typing import Any
 
+from app.request_ids import RequestIdFilter
 from app.settings import Settings, unknown_environment
 
 _MASK = "***"
@@ -131,6 +132,7 @@ def configure_logging(settings: Settings) -> None:
     if getattr(root, "_llmq_configured", False):
         return
     handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(RequestIdFilter())  # on the handler: it sees every logger's records
     handler.setFormatter(
         JsonFormatter()
         if settings.log_json

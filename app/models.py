@@ -196,6 +196,8 @@ class Job(Base):
     # The transaction (xid8) that ended the batch line, set by the trigger of migration
     # 20261201_0012 (0 for lines that ended before it): app/services/results.py.
     finished_xid: Mapped[int | None] = mapped_column(BigInteger)
+    # The X-Request-ID of the request that created the job (a batch line: its batch's).
+    request_id: Mapped[str | None] = mapped_column(String(128))
 
 
 class File(Base):
@@ -281,6 +283,8 @@ class Batch(Base):
     expired_at: Mapped[datetime | None]
     cancelling_at: Mapped[datetime | None]
     cancelled_at: Mapped[datetime | None]
+    # The X-Request-ID of the request that created the batch; its lines carry it too.
+    request_id: Mapped[str | None] = mapped_column(String(128))
 
 
 class WebhookEndpoint(Base):

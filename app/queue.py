@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery import Celery
 
+from app.request_ids import MESSAGE_HEADER
 from app.settings import Settings
 
 if TYPE_CHECKING:  # app.liveness reads the names below
@@ -78,13 +79,24 @@ class JobQueue:
         self._celery = celery
         self._liveness = liveness
 
-    def enqueue(self, job_id: str, model: str, priority: int, *, batch_line: bool = False) -> None:
-        """Send one message naming `job_id`. Raises redis/kombu errors when Redis is down."""
+    def enqueue(
+        self,
+        job_id: str,
+        model: str,
+        priority: int,
+        *,
+        batch_line: bool = False,
+        request_id: str | None = None,
+    ) -> None:
+        """Send one message naming `job_id`, with the request id that created the job in its
+        headers (for tracing; the worker's log lines take the id stored on the job). Raises
+        redis/kombu errors when Redis is down."""
         self._celery.send_task(
             RUN_JOB_TASK,
             args=[job_id],
             queue=queue_name(model),
             priority=broker_priority(priority, batch_line=batch_line),
+            headers={MESSAGE_HEADER: request_id} if request_id else None,
         )
         self._liveness.sent([job_id])
 

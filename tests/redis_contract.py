@@ -30,7 +30,9 @@ class RecordingCelery:
     def __init__(self) -> None:
         self.sent: list[tuple[str, list[Any], str, int]] = []
 
-    def send_task(self, name: str, *, args: list[Any], queue: str, priority: int) -> None:
+    def send_task(
+        self, name: str, *, args: list[Any], queue: str, priority: int, headers: dict[str, Any] | None = None
+    ) -> None:
         self.sent.append((name, args, queue, priority))
 
 

@@ -271,6 +271,8 @@ class JobRunner:
     def _prepare(self, claim: Claim, quiet: bool, item: Inflight) -> Run:
         job_id = claim.job_id
         ctx = {"job_id": job_id, "epoch": claim.epoch, "attempt": claim.attempts, "batch_id": claim.batch_id}
+        if claim.request_id is not None:
+            ctx["request_id"] = claim.request_id
         log.log(logging.DEBUG if quiet else logging.INFO, "job claimed", extra=ctx)
         header = chunk_header(
             job_id, int(claim.created_at.timestamp()), claim.model, self._config.system_fingerprint

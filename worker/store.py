@@ -37,6 +37,8 @@ class Claim:
     batch_id: str | None
     # Size of the stored request (bytes of JSON text); over the claim's bound, `request` is {}.
     request_bytes: int = 0
+    # The X-Request-ID of the request that created the job: in each of its log lines.
+    request_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,7 @@ _CLAIM = text(
       AND (status = 'queued' OR (status = 'running' AND lease_expires_at < now()))
     RETURNING id, epoch, attempts, kind, model, priority, tenant_id,
       CASE WHEN octet_length(request::text) > :max_request THEN CAST('{}' AS json) ELSE request END,
-      created_at, batch_id, octet_length(request::text)
+      created_at, batch_id, octet_length(request::text), request_id
     """
 )
 

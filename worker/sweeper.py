@@ -113,7 +113,9 @@ class Sweeper:
                     "messages lost in a worker's crash; sending again", extra={"jobs": len(plan.forget)}
                 )
             for resend in plan.send:
-                self._queue.enqueue(resend.job_id, resend.model, resend.priority)
+                self._queue.enqueue(
+                    resend.job_id, resend.model, resend.priority, request_id=resend.request_id
+                )
             self._liveness.confirmed(plan.confirm)
             self._liveness.handed_back(plan.hand_back)
             report.resent += plan.resent

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
-from celery import Celery
+from celery import Celery, Task
 
 from app.queue import RUN_JOB_TASK, RUN_JOBS_TASK
+from app.request_ids import MESSAGE_HEADER, bound, sane
 from worker import runtime
 
 
 def register_tasks(app: Celery) -> None:
-    @app.task(name=RUN_JOB_TASK, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
-    def run_job(job_id: str) -> str | None:
+    @app.task(name=RUN_JOB_TASK, bind=True, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
+    def run_job(self: Task, job_id: str) -> str | None:
         rt = runtime.current()
+        # The message's request id is current while the task runs (for tracing, and for any
+        # line logged outside the job's own); the job's lines carry the id stored on it.
+        sent = self.request.get(MESSAGE_HEADER)
         try:
-            return rt.runner.run(job_id)
+            with bound(sent if isinstance(sent, str) and sane(sent) else None):
+                return rt.runner.run(job_id)
         finally:
             # Whatever happened, this message is spent: without its marker, a job left
             # queued is sent again by the sweeper (app/liveness.py, row 4).

@@ -19,6 +19,7 @@ def create_app(settings: Settings | None = None, *, services: Services | None = 
         TypeError: both `settings` and `services` were given.
     """
     from app.api import batches, chat, errors, files, health, jobs, models, openapi, webhooks
+    from app.api.access import AccessLog
     from app.logs import configure_logging
 
     if settings is not None and services is not None:
@@ -33,6 +34,8 @@ def create_app(settings: Settings | None = None, *, services: Services | None = 
     app.before_request(_refuse_nul)
     for blueprint in (health.bp, jobs.bp, chat.bp, files.bp, batches.bp, models.bp, webhooks.bp, openapi.bp):
         app.register_blueprint(blueprint)
+    # Outermost: every response gets its X-Request-ID and an access log line.
+    app.wsgi_app = AccessLog(app.wsgi_app, trusted_proxy_hops=settings.trusted_proxy_hops)  # type: ignore[method-assign]
     return app
 
 

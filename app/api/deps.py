@@ -7,8 +7,10 @@ from typing import Any, cast
 
 from flask import current_app, g, request
 
+from app.api.access import peer_address
 from app.container import Services
 from app.errors import RateLimited, Unauthorized
+from app.request_ids import note_tenant
 from app.services.idempotency import IdempotencyKey
 from app.services.keys import Principal
 from app.services.parsing import load_json
@@ -33,24 +35,18 @@ def optional_principal() -> Principal | None:
     if not token:
         return None
     try:
-        return s.keys.authenticate(token)
+        found = s.keys.authenticate(token)
     except Unauthorized:
         with contextlib.suppress(RateLimited):  # a probe is never refused, only shown less
             s.auth_failures.check(client_address())
         return None
+    note_tenant(found.tenant_id)
+    return found
 
 
 def client_address() -> str:
-    """The caller's address: the peer, or with `trusted_proxy_hops` = N the address the
-    outermost of N trusted proxies saw (N entries from the right of X-Forwarded-For, which
-    each proxy appends to; anything further left is the client's to forge)."""
-    hops = services().settings.trusted_proxy_hops
-    if hops > 0:
-        forwarded = [a.strip() for a in ",".join(request.headers.getlist("X-Forwarded-For")).split(",")]
-        forwarded = [a for a in forwarded if a]
-        if len(forwarded) >= hops:
-            return forwarded[-hops][:64]
-    return request.remote_addr or "unknown"
+    """The caller's address as app/api/access.py's `peer_address` reads it."""
+    return peer_address(request.environ, services().settings.trusted_proxy_hops)
 
 
 def authenticate() -> None:
@@ -68,6 +64,7 @@ def authenticate() -> None:
     except Unauthorized:
         s.auth_failures.check(client_address())
         raise
+    note_tenant(g.principal.tenant_id)
     s.limiter.check(g.principal.key_id)
 
 

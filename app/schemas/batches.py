@@ -155,6 +155,8 @@ class BatchObject(WireModel):
     x_output_tokens_per_second: float | None = None
     x_estimated_seconds_left: float | None = None
     x_parent_batch_id: str | None = None
+    # The X-Request-ID of the request that created the batch (its lines carry it too).
+    x_request_id: str | None = None
 
 
 class BatchList(WireModel):

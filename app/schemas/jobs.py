@@ -50,6 +50,8 @@ class JobObject(WireModel):
     generation_stats: dict[str, Any] | None = None
     power_usage: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
+    # The X-Request-ID of the request that created the job (a batch line: its batch's).
+    request_id: str | None = None
 
 
 class JobList(WireModel):

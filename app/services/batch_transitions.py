@@ -31,11 +31,12 @@ LINE_ERRORS = {
 _CREATE_JOBS = text(
     f"""
     INSERT INTO jobs (id, tenant_id, kind, status, priority, model, request, metadata, attempts, epoch,
-                      created_at, enqueued_at, batch_id, deadline_at, custom_id, line_no, budget_tokens)
+                      created_at, enqueued_at, batch_id, deadline_at, custom_id, line_no, budget_tokens,
+                      request_id)
     SELECT 'job_' || :suffix || '_' || lpad(fl.line_no::text, 6, '0'), :tenant, 'chat', 'queued',
            coalesce((b->>'priority')::numeric::int, :default_priority), b->>'model', b, b->'metadata', 0, 0,
            now(), NULL,
-           :batch, :deadline, fl.custom_id, fl.line_no, {LINE_TOKENS}
+           :batch, :deadline, fl.custom_id, fl.line_no, {LINE_TOKENS}, :request_id
     FROM file_lines fl, LATERAL (SELECT (fl.raw::json)->'body' AS b) body
     WHERE fl.file_id = :file
     """  # noqa: S608 - LINE_TOKENS is a constant expression
@@ -75,6 +76,7 @@ def materialize(db: Database, batch_id: str) -> bool:
                 "file": batch.input_file_id,
                 "default_priority": band.default,
                 "deadline": batch.expires_at,
+                "request_id": batch.request_id,
             },
         )
         batch.status = BatchStatus.IN_PROGRESS.value

@@ -20,6 +20,7 @@ from app.errors import Conflict, InvalidRequest
 from app.events import JobEvents
 from app.ids import new_id
 from app.models import Batch, File, Job
+from app.request_ids import current_request_id
 from app.schemas.base import unix_time
 from app.schemas.batches import (
     BATCH_ENDPOINTS,
@@ -197,6 +198,7 @@ class BatchService:
                 request_hash=idem.fingerprint if idem else None,
                 created_at=now,
                 expires_at=now + timedelta(seconds=seconds),
+                request_id=current_request_id(),
             )
             s.add(batch)
         # `validating` is committed on its own, so it is seen while the lines become jobs;
@@ -403,4 +405,5 @@ def to_batch_object(batch: Batch, counts: Any, model: str | None) -> BatchObject
         x_output_tokens_per_second=rate,
         x_estimated_seconds_left=eta,
         x_parent_batch_id=batch.parent_batch_id,
+        x_request_id=batch.request_id,
     )

@@ -15,6 +15,7 @@ from app.events import JobEvents, end_event
 from app.ids import new_id
 from app.models import Job
 from app.queue import JobQueue
+from app.request_ids import current_request_id
 from app.schemas.base import unix_time
 from app.schemas.chat import ChatCompletionV2Request
 from app.schemas.jobs import JobList, JobObject
@@ -58,6 +59,7 @@ def to_job_object(job: Job) -> JobObject:
         generation_stats=job.generation_stats,
         power_usage=job.power_usage,
         metadata=job.metadata_,
+        request_id=job.request_id,
     )
 
 
@@ -155,6 +157,7 @@ class JobService:
             "enqueued_at": now,
             "idempotency_key": idem.key if idem else None,
             "request_hash": idem.fingerprint if idem else None,
+            "request_id": current_request_id(),
         }
         with self._db.session() as s:
             # Counted and inserted in one transaction under the tenant's lock: concurrent
@@ -164,7 +167,7 @@ class JobService:
             s.execute(insert(Job).values(**values))
         job = Job(**values)
         try:
-            self._queue.enqueue(job.id, job.model, job.priority)
+            self._queue.enqueue(job.id, job.model, job.priority, request_id=job.request_id)
         except Exception as exc:  # noqa: BLE001 - any broker failure leaves the job to the sweeper
             log.warning(
                 "enqueue failed, the sweeper will resend", extra={"job_id": job.id, "error": str(exc)}

@@ -18,8 +18,17 @@ class FakeStore:
         self.jobs: dict[str, dict[str, Any]] = {}
         self.handed_back: list[str] = []
 
-    def add(self, job_id: str, request: dict[str, Any], kind: str = "chat") -> None:
-        self.jobs[job_id] = {"status": "queued", "epoch": 0, "attempts": 0, "request": request, "kind": kind}
+    def add(
+        self, job_id: str, request: dict[str, Any], kind: str = "chat", *, request_id: str | None = None
+    ) -> None:
+        self.jobs[job_id] = {
+            "status": "queued",
+            "epoch": 0,
+            "attempts": 0,
+            "request": request,
+            "kind": kind,
+            "request_id": request_id,
+        }
 
     def undispatch(self, job_ids: list[str]) -> None:
         """Batch lines given back to the feeder, unclaimed."""
@@ -54,6 +63,7 @@ class FakeStore:
                     datetime.now(UTC),
                     None,
                     size,
+                    job["request_id"],
                 )
             )
         return claims

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -501,3 +502,28 @@ def test_a_job_handed_back_with_its_attempts_spent_ends_failed_not_stuck(loop: L
     assert last["error"]["error"]["code"] == "attempts_exhausted"
     assert ("job_last", "failed") in streams.ended
     assert store.jobs["job_fresh"]["status"] == "queued"  # still has attempts: handed back
+
+
+def test_every_log_line_about_a_job_carries_its_request_id(
+    loop: LoopThread, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The id stored on the job (read by the claim) is in the `extra` of every line the
+    runner writes for it, whichever jobs run beside it."""
+    store, events = FakeStore(), FakeStreams()
+    store.add("job_a", body(max_tokens=2), request_id="req-a")
+    store.add("job_b", body(messages=[{"role": "user", "content": "x" * 100}]), request_id="req-b")
+    store.add("job_c", body(max_tokens=2))  # made before request ids
+    runner = make_runner(loop, InstantEngine(context=50), store, events)  # job_b's prompt is too long
+    with caplog.at_level(logging.DEBUG, logger="llmq.runner"):
+        runner.run("job_a")
+        runner.run("job_b")
+        runner.run_many(["job_c"])
+    about = {
+        job: [r for r in caplog.records if getattr(r, "job_id", None) == job]
+        for job in ("job_a", "job_b", "job_c")
+    }
+    assert {r.getMessage() for r in about["job_a"]} >= {"job claimed", "job succeeded"}
+    assert {r.getMessage() for r in about["job_b"]} >= {"job claimed", "job failed"}
+    assert all(getattr(r, "request_id", None) == "req-a" for r in about["job_a"])
+    assert all(getattr(r, "request_id", None) == "req-b" for r in about["job_b"])
+    assert about["job_c"] and all(not hasattr(r, "request_id") for r in about["job_c"])
