@@ -22,6 +22,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("llmq.access")
 
+# Health probes and metric scrapes: logged at DEBUG when they succeed.
+QUIET_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
+
 _ExcInfo = tuple[type[BaseException], BaseException, TracebackType] | tuple[None, None, None]
 
 
@@ -92,7 +95,9 @@ class _Line:
         }
         if self.info.tenant is not None:
             extra["tenant"] = self.info.tenant
-        log.info("%s %s %s", self.method, self.path, self.status, extra=extra)
+        # Probes and scrapes that succeed come every few seconds: DEBUG, not INFO.
+        level = logging.DEBUG if self.path in QUIET_PATHS and self.status < 400 else logging.INFO
+        log.log(level, "%s %s %s", self.method, self.path, self.status, extra=extra)
 
 
 class _Body:

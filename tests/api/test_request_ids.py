@@ -119,9 +119,10 @@ def test_the_access_line_names_the_address_through_trusted_proxies(stores, key: 
 
     app = create_app(make_settings(stores).model_copy(update={"trusted_proxy_hops": 1}))
     with json_lines() as out:
-        app.test_client().get("/healthz", headers={"X-Forwarded-For": "6.6.6.6, 10.1.2.3"}).close()
+        app.test_client().get("/v1/models", headers={"X-Forwarded-For": "6.6.6.6, 10.1.2.3"}).close()
+        app.test_client().get("/healthz").close()  # a probe that succeeds: DEBUG, not here
     (access,) = [x for x in records(out) if x["logger"] == "llmq.access"]
-    assert access["client"] == "10.1.2.3"
+    assert access["client"] == "10.1.2.3" and access["path"] == "/v1/models"
 
 
 def test_a_job_stores_and_returns_its_request_id_and_every_line_carries_it(
