@@ -79,3 +79,12 @@ def test_worker_renders_kwargs_jobs(stack: Stack) -> None:
     with_kwargs = run(stack, max_tokens=2, chat_template_kwargs={"enable_thinking": False})
     assert with_kwargs["status"] == "succeeded", with_kwargs
     assert with_kwargs["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"]
+
+
+def test_children_run_at_a_lower_cpu_priority(tiny_model: Path, sandbox: TemplateSandbox) -> None:
+    """A bomb burning its time limit gets only the CPU other tenants' requests leave."""
+    ChatRenderer.load(str(tiny_model), sandbox=sandbox).render(req(chat_template_kwargs={"warm": True}))
+    children = sandbox_children()
+    assert children
+    mine = psutil.Process().nice()
+    assert all(psutil.Process(pid).nice() >= mine + 10 for pid in children)

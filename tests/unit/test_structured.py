@@ -290,6 +290,16 @@ def test_a_constraint_that_segfaults_the_compiler_is_a_400_for_it_alone(sandbox:
     sandbox.check(Constraint("guided_regex", {"regex": "[0-9]{4}"}))
 
 
+def test_compiler_children_run_at_a_lower_cpu_priority(sandbox: ConstraintSandbox) -> None:
+    """A compile burning its time limit gets only the CPU other requests leave."""
+    import psutil
+
+    sandbox.check(Constraint("guided_regex", {"regex": "[a-z]{3}"}))
+    children = [c for c in psutil.Process().children() if "constraint_child" in " ".join(c.cmdline())]
+    assert children
+    assert all(c.nice() >= psutil.Process().nice() + 10 for c in children)
+
+
 def test_an_invalid_regex_is_a_400_naming_its_field(sandbox: ConstraintSandbox) -> None:
     for found in [
         Constraint("guided_regex", {"regex": "a(b"}),
