@@ -39,6 +39,7 @@ from sqlalchemy import text
 
 from app.cli.client import LlmqClient
 from app.cli.stack import Stack
+from app.connections import ADMIN_POOL
 from app.db import Database
 from app.services.health import live_workers
 from bench.common import ROOT, save, service
@@ -237,7 +238,7 @@ def run(lines: int = 20_000, sizes: tuple[int, ...] = SIZES) -> dict[str, Any]:
     runs: list[dict[str, Any]] = []
     with service(SERVED, SERVED, **ENV) as stack:
         fleet = Fleet(stack, {**ENV, "LLMQ_SERVED_MODEL_NAME": SERVED, "LLMQ_LOG_LEVEL": "WARNING"}, logs)
-        db = Database.from_url(stack.env["LLMQ_DATABASE_URL"], pool_size=1)
+        db = Database.from_url(stack.env["LLMQ_DATABASE_URL"], ADMIN_POOL)
         client = LlmqClient(stack.base_url, stack.api_key, timeout=600)
         try:
             for size in sizes:
