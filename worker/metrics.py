@@ -149,6 +149,14 @@ class WorkerMetrics:
             registry=self.registry,
         )
         self.registry.register(Computed(self._now))
+        # The served model's series exist from the start at zero, so the first job's
+        # observations are an increase Prometheus sees, not a series appearing.
+        for h in (self.queue_wait, self.ttft, self.inter_token, self.e2e, self.output_rate):
+            h.labels(state.model)
+        for status in ("succeeded", "failed", "cancelled"):
+            self.finished.labels(state.model, status)
+        self.prompt_tokens.labels(state.model)
+        self.generation_tokens.labels(state.model)
 
     def observe(self, job: JobFigures) -> None:
         """One ended job: a few histogram and counter updates."""
