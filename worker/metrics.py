@@ -15,14 +15,20 @@ process and Python figures that registry holds.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from wsgiref.simple_server import WSGIServer
+from socketserver import ThreadingMixIn
+from typing import TYPE_CHECKING, Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from app.metrics import Collectors, Computed, build_info
+from app.metrics import CONTENT_TYPE, Collectors, Computed, build_info
+
+if TYPE_CHECKING:
+    from _typeshed.wsgi import StartResponse, WSGIEnvironment
 
 QUEUE_BUCKETS = (
     0.01,
@@ -203,15 +209,24 @@ class WorkerMetrics:
             families.append(energy)
         return families
 
-    def exposed(self) -> CollectorRegistry:
+    def exposition(self) -> bytes:
         """This worker's figures and the default registry's (vLLM's, the process's)."""
-        registry = CollectorRegistry(auto_describe=False)
-        registry.register(Collectors([self.registry, REGISTRY]))
-        return registry
+        return generate_latest(Collectors([self.registry, REGISTRY]))
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        """Scrapes come every few seconds: not logged."""
 
 
 class MetricsServer:
-    """The worker's `/metrics` HTTP port, on a daemon thread."""
+    """The worker's `/metrics` HTTP port, on a daemon thread. Always the text format
+    (0.0.4), as the API's: prometheus_client's OpenMetrics writer would rename vLLM's
+    `vllm:` metrics to `vllm_` for a Prometheus that asks for OpenMetrics."""
 
     def __init__(self, metrics: WorkerMetrics, *, port: int, address: str) -> None:
         self._metrics = metrics
@@ -224,8 +239,17 @@ class MetricsServer:
         """The port it listens on (the system's pick for port 0); None until started."""
         return int(self._server.server_port) if self._server is not None else None
 
+    def _app(self, environ: WSGIEnvironment, start_response: StartResponse) -> list[bytes]:
+        if environ.get("PATH_INFO") != "/metrics":
+            start_response("404 Not Found", [("Content-Type", "text/plain")])
+            return [b"not found: the metrics are at /metrics\n"]
+        body = self._metrics.exposition()
+        start_response("200 OK", [("Content-Type", CONTENT_TYPE), ("Content-Length", str(len(body)))])
+        return [body]
+
     def start(self) -> int:
-        server, _ = start_http_server(self._port, self._address, registry=self._metrics.exposed())
+        server = make_server(self._address, self._port, self._app, _Server, handler_class=_Quiet)
+        threading.Thread(target=server.serve_forever, name="llmq-metrics", daemon=True).start()
         self._server = server
         return self.port or 0
 

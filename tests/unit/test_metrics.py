@@ -300,3 +300,28 @@ def test_the_prometheus_config_is_valid() -> None:
         check=False,
     )
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_worker_port_serves_the_text_format_with_vllms_names_kept() -> None:
+    """vLLM records into the default registry; a Prometheus asking for OpenMetrics still gets
+    the text format, where `vllm:` names keep their colon."""
+    import httpx
+    from prometheus_client import REGISTRY, Gauge
+
+    from worker.metrics import MetricsServer
+
+    gauge = Gauge("vllm:unit_test_requests_running", "A stand-in for vLLM's gauges.", registry=REGISTRY)
+    server = MetricsServer(worker_metrics(), port=0, address="127.0.0.1")
+    try:
+        port = server.start()
+        assert port > 0 and server.port == port
+        accept = {"Accept": "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"}
+        r = httpx.get(f"http://127.0.0.1:{port}/metrics", headers=accept, timeout=5)
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain; version=0.0.4")
+        assert "vllm:unit_test_requests_running 0.0" in r.text
+        assert 'llmq_build_info{component="worker"' in r.text
+        assert httpx.get(f"http://127.0.0.1:{port}/other", timeout=5).status_code == 404
+    finally:
+        server.stop()
+        REGISTRY.unregister(gauge)
+    assert server.port is None
