@@ -136,6 +136,9 @@ def test_submits_are_counted_by_model_and_kind(client: FlaskClient, tenant_keys)
     assert client.post("/v1/batches", json=batch, headers=auth(key)).status_code == 200
     assert submitted("single") == single + 1
     assert submitted("batch_line") == lines + 4
+    # The batch's lines are due within its 24 h window: the nearest deadline is no later.
+    (deadline,) = samples(scrape(client), "llmq_model_deadline_seconds", model="api-only")
+    assert 0 < deadline <= 24 * 3600
 
 
 def test_a_queued_job_has_no_timings_yet(client: FlaskClient, tenant_keys) -> None:  # type: ignore[no-untyped-def]
