@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import os
+import socket
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from redis import Redis
@@ -12,6 +14,7 @@ from app.connections import api_pool
 from app.db import Database
 from app.events import JobEvents
 from app.liveness import Liveness
+from app.metrics import ApiMetrics, multiprocess_dir
 from app.queue import JobQueue, create_producer
 from app.services.addresses import system_resolver
 from app.services.batches import BatchService
@@ -23,7 +26,7 @@ from app.services.idempotency import IdempotencyLocks
 from app.services.jobs import JobService
 from app.services.keys import KeyService
 from app.services.limits import RateLimiter
-from app.services.metrics import MetricsService
+from app.services.metrics import ClusterLease, MetricsService
 from app.services.models import ModelRegistry, declared_models
 from app.services.notifier import Notifier
 from app.services.results import ResultsService
@@ -64,6 +67,7 @@ class Services:
     models: ModelRegistry
     constraints: ConstraintSandbox | None = None
     tokenizers: PromptCounters | None = None
+    api_metrics: ApiMetrics = field(default_factory=ApiMetrics)
 
     @property
     def served_models(self) -> frozenset[str]:
@@ -80,6 +84,12 @@ class Services:
 
 def redis_client(url: str) -> Redis[bytes]:
     return Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5, health_check_interval=30)
+
+
+def replica_id(settings: Settings) -> str:
+    """This API replica's name in the cluster-figures lease: the same for all its gunicorn
+    processes (they share a PROMETHEUS_MULTIPROC_DIR), different from any other replica's."""
+    return settings.metrics_replica_id or f"{socket.gethostname()}:{multiprocess_dir() or os.getpid()}"
 
 
 def template_sandbox(settings: Settings, model: str, *, wait_seconds: float | None = None) -> TemplateSandbox:
@@ -117,6 +127,7 @@ def build_services(settings: Settings) -> Services:
         counters=tokenizers.counter if tokenizers is not None else None,
     )
     constraints = ConstraintSandbox.of(settings)
+    api_metrics = ApiMetrics()
     policy = RequestPolicy(settings, models, constraints=constraints)
     locks = IdempotencyLocks(redis)
     jobs = JobService(
@@ -128,6 +139,7 @@ def build_services(settings: Settings) -> Services:
         locks=locks,
         idempotency_ttl_seconds=settings.idempotency_ttl_seconds,
         max_active_per_tenant=settings.max_active_jobs_per_tenant,
+        submitted=api_metrics.count_submitted,
     )
     streams = StreamService(
         db,
@@ -144,6 +156,7 @@ def build_services(settings: Settings) -> Services:
         idempotency_ttl_seconds=settings.idempotency_ttl_seconds,
         max_active_lines_per_tenant=settings.max_active_batch_lines_per_tenant,
         batch_token_budget=settings.batch_token_budget,
+        submitted=api_metrics.count_submitted,
     )
     results = ResultsService(
         db,
@@ -168,7 +181,13 @@ def build_services(settings: Settings) -> Services:
         batches=batches,
         results=results,
         health=HealthService(db, redis, models.names),
-        metrics=MetricsService(db, redis, liveness, models.names),
+        metrics=MetricsService(
+            db,
+            redis,
+            liveness,
+            models.names,
+            ClusterLease(redis, replica_id(settings), lease_seconds=settings.metrics_lease_seconds),
+        ),
         limiter=RateLimiter(
             redis, per_minute=settings.rate_limit_per_minute, burst=settings.rate_limit_burst
         ),
@@ -189,4 +208,5 @@ def build_services(settings: Settings) -> Services:
         ),
         models=models,
         tokenizers=tokenizers,
+        api_metrics=api_metrics,
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -60,6 +61,9 @@ def to_job_object(job: Job) -> JobObject:
         power_usage=job.power_usage,
         metadata=job.metadata_,
         request_id=job.request_id,
+        queue_wait_seconds=job.queue_wait_seconds,
+        ttft_seconds=job.ttft_seconds,
+        e2e_seconds=job.e2e_seconds,
     )
 
 
@@ -75,7 +79,9 @@ class JobService:
         locks: IdempotencyLocks | None = None,
         idempotency_ttl_seconds: int = 24 * 3600,
         max_active_per_tenant: int = 0,
+        submitted: Callable[[str, str, int], None] | None = None,
     ) -> None:
+        """`submitted(model, kind, count)` is told of each job accepted (app/metrics.py)."""
         self._db = db
         self._queue = queue
         self._events = events
@@ -84,6 +90,7 @@ class JobService:
         self._locks = locks
         self._idempotency_ttl = idempotency_ttl_seconds
         self._max_active = max_active_per_tenant
+        self._submitted = submitted
 
     def validate(self, payload: Any, *, streaming: bool = False) -> ChatCompletionV2Request:
         """Raises:
@@ -172,6 +179,8 @@ class JobService:
             log.warning(
                 "enqueue failed, the sweeper will resend", extra={"job_id": job.id, "error": str(exc)}
             )
+        if self._submitted is not None:
+            self._submitted(job.model, "single", 1)
         log.info("job accepted", extra={"job_id": job.id, "tenant": principal.tenant_id})
         return to_job_object(job)
 
