@@ -16,6 +16,7 @@ from app.queue import JobQueue, create_producer
 from app.services.addresses import system_resolver
 from app.services.batches import BatchService
 from app.services.chat import ChatService
+from app.services.completion_contract import CompletionPolicy
 from app.services.contract import RequestPolicy
 from app.services.files import FileService
 from app.services.health import HealthService, live_workers
@@ -30,6 +31,7 @@ from app.services.results import ResultsService
 from app.services.sandbox import ConstraintSandbox
 from app.services.slots import StreamSlots
 from app.services.streaming import KeyWatch, StreamService
+from app.services.text_completions import TextCompletionService
 from app.services.tokenizers import PromptCounters
 from app.services.webhooks import WebhookService
 from app.settings import Settings
@@ -52,6 +54,7 @@ class Services:
     jobs: JobService
     streams: StreamService
     chat: ChatService
+    text_completions: TextCompletionService
     files: FileService
     batches: BatchService
     results: ResultsService
@@ -118,6 +121,7 @@ def build_services(settings: Settings) -> Services:
     )
     constraints = ConstraintSandbox.of(settings)
     policy = RequestPolicy(settings, models, constraints=constraints)
+    completion_policy = CompletionPolicy(settings, models, constraints=constraints)
     locks = IdempotencyLocks(redis)
     jobs = JobService(
         db,
@@ -164,7 +168,10 @@ def build_services(settings: Settings) -> Services:
         jobs=jobs,
         streams=streams,
         chat=ChatService(jobs, streams, wait_seconds=settings.sync_wait_seconds),
-        files=FileService(db, policy, settings),
+        text_completions=TextCompletionService(
+            jobs, streams, completion_policy, wait_seconds=settings.sync_wait_seconds
+        ),
+        files=FileService(db, policy, settings, completion_policy=completion_policy),
         batches=batches,
         results=results,
         health=HealthService(db, redis, models.names),
