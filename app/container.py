@@ -29,6 +29,7 @@ from app.services.models import ModelRegistry, declared_models
 from app.services.notifier import Notifier
 from app.services.results import ResultsService
 from app.services.sandbox import ConstraintSandbox
+from app.services.scale_completions import ScaleCompletionService
 from app.services.slots import StreamSlots
 from app.services.streaming import KeyWatch, StreamService
 from app.services.text_completions import TextCompletionService
@@ -55,6 +56,7 @@ class Services:
     streams: StreamService
     chat: ChatService
     text_completions: TextCompletionService
+    scale: ScaleCompletionService
     files: FileService
     batches: BatchService
     results: ResultsService
@@ -149,6 +151,9 @@ def build_services(settings: Settings) -> Services:
         max_active_lines_per_tenant=settings.max_active_batch_lines_per_tenant,
         batch_token_budget=settings.batch_token_budget,
     )
+    text_completions = TextCompletionService(
+        jobs, streams, completion_policy, wait_seconds=settings.sync_wait_seconds
+    )
     results = ResultsService(
         db,
         batches,
@@ -168,9 +173,8 @@ def build_services(settings: Settings) -> Services:
         jobs=jobs,
         streams=streams,
         chat=ChatService(jobs, streams, wait_seconds=settings.sync_wait_seconds),
-        text_completions=TextCompletionService(
-            jobs, streams, completion_policy, wait_seconds=settings.sync_wait_seconds
-        ),
+        text_completions=text_completions,
+        scale=ScaleCompletionService(text_completions, streams),
         files=FileService(db, policy, settings, completion_policy=completion_policy),
         batches=batches,
         results=results,

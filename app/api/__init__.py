@@ -18,7 +18,19 @@ def create_app(settings: Settings | None = None, *, services: Services | None = 
     Raises:
         TypeError: both `settings` and `services` were given.
     """
-    from app.api import batches, chat, completions, errors, files, health, jobs, models, openapi, webhooks
+    from app.api import (
+        batches,
+        chat,
+        completions,
+        errors,
+        files,
+        health,
+        jobs,
+        models,
+        openapi,
+        scale,
+        webhooks,
+    )
     from app.api.access import AccessLog
     from app.logs import configure_logging
 
@@ -37,6 +49,7 @@ def create_app(settings: Settings | None = None, *, services: Services | None = 
         jobs.bp,
         chat.bp,
         completions.bp,
+        scale.bp,
         files.bp,
         batches.bp,
         models.bp,
