@@ -28,7 +28,7 @@ from openai.types import Batch as SdkBatch
 
 from app.cli.embedded import free_port
 from app.schemas.chat import ChatCompletionV2Request
-from app.schemas.completion import ChatCompletion
+from app.schemas.completion import ChatCompletion, TextCompletion
 from app.schemas.jobs import JobObject
 from app.serve import gunicorn_argv
 from app.services.health import live_workers
