@@ -153,11 +153,10 @@ SCALE_CLIENT = ROOT / ".venv-llmengine" / "bin" / "python"
 SCALE_SCRIPT = """
 import json, sys
 from llmengine import Completion
-model = sys.argv[1]
-plain = Completion.create(model=model, prompt="The quick brown fox", max_new_tokens=8, temperature=0.0,
+model, prompt = sys.argv[1], sys.argv[2]
+plain = Completion.create(model=model, prompt=prompt, max_new_tokens=8, temperature=0.0,
                           return_token_log_probs=True)
-stream = Completion.create(model=model, prompt="The quick brown fox", max_new_tokens=8, temperature=0.0,
-                           stream=True)
+stream = Completion.create(model=model, prompt=prompt, max_new_tokens=8, temperature=0.0, stream=True)
 streamed = [r.dict() for r in stream]
 try:
     Completion.create(model=model, prompt="hi", max_new_tokens=10**9, temperature=0.5)
@@ -174,7 +173,19 @@ def scale_client() -> Path:
     return SCALE_CLIENT
 
 
+def greedy_prompt(stack: Stack) -> str:
+    """A prompt whose greedy answer from the tiny model is 8 tokens of visible text (some
+    prompts make it stop at once), so the texts compared below say something."""
+    client = sdk(stack)
+    for prompt in (PROMPT, "Once upon a time", "Hello, my name is", "1 2 3 4", "def main():"):
+        done = client.completions.create(model=stack.model, prompt=prompt, max_tokens=8, temperature=0)
+        if done.choices[0].finish_reason == "length" and done.choices[0].text.strip():
+            return prompt
+    raise AssertionError("no prompt with a visible greedy answer")
+
+
 def test_scale_llmengine_client_unchanged(stack: Stack, scale_client: Path) -> None:
+    prompt = greedy_prompt(stack)
     env = {
         **os.environ,
         "LLM_ENGINE_BASE_PATH": stack.url + "/",
@@ -182,7 +193,7 @@ def test_scale_llmengine_client_unchanged(stack: Stack, scale_client: Path) -> N
         "LLM_ENGINE_DISABLE_VERSION_CHECK": "true",
     }
     out = subprocess.run(
-        [str(scale_client), "-c", SCALE_SCRIPT, stack.model],
+        [str(scale_client), "-c", SCALE_SCRIPT, stack.model, prompt],
         env=env,
         capture_output=True,
         timeout=300,
@@ -192,7 +203,9 @@ def test_scale_llmengine_client_unchanged(stack: Stack, scale_client: Path) -> N
     plain, streamed = got["plain"], got["stream"]
     output = plain["output"]
     assert plain["request_id"].startswith("job_")
-    assert output["num_completion_tokens"] >= 1 and output["num_prompt_tokens"] >= 1, got
+    assert (
+        output["text"].strip() and output["num_completion_tokens"] == 8 and output["num_prompt_tokens"] >= 1
+    )
     assert len(output["tokens"]) == output["num_completion_tokens"]
     assert all(isinstance(t["log_prob"], float) for t in output["tokens"])
     assert streamed and all(e["error"] is None for e in streamed)
