@@ -192,3 +192,14 @@ def test_unknown_fields_are_refused_by_the_model() -> None:
     with pytest.raises(InvalidRequest) as raised:
         parse_model(CompletionRequest, {"model": "tiny", "prompt": "hi", "messages": []})
     assert raised.value.param == "messages"
+
+
+def test_the_cli_submits_a_file_under_its_lines_endpoint(tmp_path: Any) -> None:
+    from app.cli.batch import endpoint_of
+
+    text_file = tmp_path / "t.jsonl"
+    text_file.write_text('{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {}}\n')
+    assert endpoint_of(text_file) == "/v1/completions"
+    odd = tmp_path / "odd.jsonl"
+    odd.write_text("not json\n")
+    assert endpoint_of(odd) == "/v1/chat/completions"
