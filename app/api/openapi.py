@@ -66,6 +66,8 @@ Route = tuple[
 
 # No U+0000: ids, cursors and filters are Postgres text (a NUL is a 400).
 _TEXT: dict[str, Any] = {"type": "string", "pattern": "^[^\\u0000]*$"}
+# A served model's name, as the query of Scale's routes carries it.
+_MODEL_NAME: dict[str, Any] = {"type": "string", "minLength": 1, "maxLength": 256, "pattern": "^[^\\u0000]*$"}
 
 
 # `metadata[KEY]=VALUE` filters, several AND-ed (app/domain/metadata.py).
@@ -156,7 +158,7 @@ ROUTES: list[Route] = [
         CompletionSyncV1Request,
         {200: CompletionSyncV1Response, 202: JobObject},
         [],
-        [("model_endpoint_name", _TEXT)],
+        [("model_endpoint_name", _MODEL_NAME)],
     ),
     (
         "post",
@@ -165,7 +167,7 @@ ROUTES: list[Route] = [
         CompletionStreamV1Request,
         {200: None},
         [],
-        [("model_endpoint_name", _TEXT)],
+        [("model_endpoint_name", _MODEL_NAME)],
     ),
     ("get", "/v1/models", "Served models", None, {200: ModelList}, [], []),
     (
@@ -363,8 +365,12 @@ def _schemas() -> dict[str, Any]:
     return dict(top.get("$defs", {}))
 
 
+# Query parameters a route cannot do without (Scale's routes name the model in the query).
+_REQUIRED_QUERY = {"model_endpoint_name"}
+
+
 def _query(name: str, schema: dict[str, Any]) -> dict[str, Any]:
-    param = {"name": name, "in": "query", "required": False, "schema": schema}
+    param = {"name": name, "in": "query", "required": name in _REQUIRED_QUERY, "schema": schema}
     if schema.get("type") == "object":  # sent as name[key]=value
         param.update(style="deepObject", explode=True)
     return param
