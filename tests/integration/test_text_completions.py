@@ -82,6 +82,56 @@ def test_echo_token_prompts_and_stop(stack: Stack) -> None:
         assert cut.choices[0].finish_reason == "stop"
 
 
+def test_every_text_completion_sampling_field_is_a_sampling_params_field() -> None:
+    from vllm import SamplingParams
+
+    from app.schemas.text_completion import CompletionRequest
+    from worker.translate import sampling_kwargs
+
+    req = CompletionRequest.model_validate(
+        {
+            "model": "tiny",
+            "prompt": "x",
+            "temperature": 0.7,
+            "top_p": 0.9,
+            "top_k": 5,
+            "min_p": 0.05,
+            "seed": 1,
+            "stop": ["x"],
+            "n": 2,
+            "ignore_eos": True,
+            "presence_penalty": 0.1,
+            "frequency_penalty": 0.1,
+            "repetition_penalty": 1.1,
+            "logit_bias": {"5": 1},
+            "stop_token_ids": [3],
+            "include_stop_str_in_output": True,
+            "min_tokens": 1,
+            "skip_special_tokens": False,
+            "spaces_between_special_tokens": False,
+            "logprobs": 3,
+        }
+    )
+    kw = sampling_kwargs(req, max_tokens=10, bench=False, structured=None)
+    params = SamplingParams(**kw)
+    for name, value in kw.items():
+        assert getattr(params, name) == value, name
+    assert kw["logprobs"] == 3
+
+
+def test_guided_choice_holds_for_text_completions(stack: Stack) -> None:
+    client = sdk(stack)
+    done = client.completions.create(
+        model=stack.model,
+        prompt=PROMPT,
+        max_tokens=10,
+        n=4,
+        temperature=1.0,
+        extra_body={"guided_choice": ["yes", "no", "maybe"]},
+    )
+    assert {c.text for c in done.choices} <= {"yes", "no", "maybe"}
+
+
 def test_what_the_engine_cannot_honour_is_refused_before_queuing(stack: Stack) -> None:
     client = sdk(stack)
     with pytest.raises(openai.BadRequestError) as raised:
