@@ -19,6 +19,7 @@ from app.queue import JobQueue, create_producer
 from app.services.addresses import system_resolver
 from app.services.batches import BatchService
 from app.services.chat import ChatService
+from app.services.completion_contract import CompletionPolicy
 from app.services.contract import RequestPolicy
 from app.services.files import FileService
 from app.services.health import HealthService, live_workers
@@ -31,8 +32,10 @@ from app.services.models import ModelRegistry, declared_models
 from app.services.notifier import Notifier
 from app.services.results import ResultsService
 from app.services.sandbox import ConstraintSandbox
+from app.services.scale_completions import ScaleCompletionService
 from app.services.slots import StreamSlots
 from app.services.streaming import KeyWatch, StreamService
+from app.services.text_completions import TextCompletionService
 from app.services.tokenizers import PromptCounters
 from app.services.webhooks import WebhookService
 from app.settings import Settings
@@ -55,6 +58,8 @@ class Services:
     jobs: JobService
     streams: StreamService
     chat: ChatService
+    text_completions: TextCompletionService
+    scale: ScaleCompletionService
     files: FileService
     batches: BatchService
     results: ResultsService
@@ -129,6 +134,7 @@ def build_services(settings: Settings) -> Services:
     constraints = ConstraintSandbox.of(settings)
     api_metrics = ApiMetrics()
     policy = RequestPolicy(settings, models, constraints=constraints)
+    completion_policy = CompletionPolicy(settings, models, constraints=constraints)
     locks = IdempotencyLocks(redis)
     jobs = JobService(
         db,
@@ -158,6 +164,9 @@ def build_services(settings: Settings) -> Services:
         batch_token_budget=settings.batch_token_budget,
         submitted=api_metrics.count_submitted,
     )
+    text_completions = TextCompletionService(
+        jobs, streams, completion_policy, wait_seconds=settings.sync_wait_seconds
+    )
     results = ResultsService(
         db,
         batches,
@@ -177,7 +186,9 @@ def build_services(settings: Settings) -> Services:
         jobs=jobs,
         streams=streams,
         chat=ChatService(jobs, streams, wait_seconds=settings.sync_wait_seconds),
-        files=FileService(db, policy, settings),
+        text_completions=text_completions,
+        scale=ScaleCompletionService(text_completions, streams),
+        files=FileService(db, policy, settings, completion_policy=completion_policy),
         batches=batches,
         results=results,
         health=HealthService(db, redis, models.names),

@@ -19,7 +19,19 @@ def create_app(settings: Settings | None = None, *, services: Services | None = 
     Raises:
         TypeError: both `settings` and `services` were given.
     """
-    from app.api import batches, chat, errors, files, health, jobs, models, openapi, webhooks
+    from app.api import (
+        batches,
+        chat,
+        completions,
+        errors,
+        files,
+        health,
+        jobs,
+        models,
+        openapi,
+        scale,
+        webhooks,
+    )
     from app.api.access import AccessLog
     from app.logs import configure_logging
 
@@ -34,7 +46,18 @@ def create_app(settings: Settings | None = None, *, services: Services | None = 
     errors.register(app)
     app.before_request(_note_route)  # first: a request refused by a later hook still has its route
     app.before_request(_refuse_nul)
-    for blueprint in (health.bp, jobs.bp, chat.bp, files.bp, batches.bp, models.bp, webhooks.bp, openapi.bp):
+    for blueprint in (
+        health.bp,
+        jobs.bp,
+        chat.bp,
+        completions.bp,
+        scale.bp,
+        files.bp,
+        batches.bp,
+        models.bp,
+        webhooks.bp,
+        openapi.bp,
+    ):
         app.register_blueprint(blueprint)
     # Outermost: every response gets its X-Request-ID and an access log line.
     app.wsgi_app = AccessLog(  # type: ignore[method-assign]
