@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from redis import Redis
 
@@ -26,8 +27,11 @@ from app.services.limits import RateLimiter
 from app.services.metrics import MetricsService
 from app.services.models import ModelRegistry, declared_models
 from app.services.notifier import Notifier
+from app.services.object_inputs import ObjectInputs
+from app.services.object_store import BucketAccess, ObjectStore, default_client
 from app.services.results import ResultsService
 from app.services.sandbox import ConstraintSandbox
+from app.services.scale_batches import ScaleBatchService
 from app.services.slots import StreamSlots
 from app.services.streaming import KeyWatch, StreamService
 from app.services.tokenizers import PromptCounters
@@ -54,6 +58,7 @@ class Services:
     chat: ChatService
     files: FileService
     batches: BatchService
+    scale_batches: ScaleBatchService
     results: ResultsService
     health: HealthService
     metrics: MetricsService
@@ -94,7 +99,17 @@ def template_sandbox(settings: Settings, model: str, *, wait_seconds: float | No
     )
 
 
-def build_services(settings: Settings) -> Services:
+def object_store(settings: Settings, client: Callable[[], Any] | None = None) -> ObjectStore:
+    """The one S3-compatible store (boto3's own configuration unless `client` builds one),
+    with the buckets each tenant may use."""
+    return ObjectStore(
+        BucketAccess.parse(settings.s3_buckets), client or default_client, part_bytes=settings.s3_part_bytes
+    )
+
+
+def build_services(settings: Settings, *, s3_client: Callable[[], Any] | None = None) -> Services:
+    """`s3_client`: builds the object store's client (tests point it at their own store);
+    by default boto3's, configured by the environment."""
     pool = api_pool(settings)
     db = Database.from_settings(settings, pool, pool_timeout=settings.db_pool_timeout_seconds)
     log.info(pool.describe(), extra={"pool": pool.pool, "overflow": pool.overflow, "role": "api"})
@@ -137,6 +152,8 @@ def build_services(settings: Settings) -> Services:
         heartbeat_seconds=settings.sse_heartbeat_seconds,
         key_check_seconds=settings.stream_key_check_seconds,
     )
+    files = FileService(db, policy, settings)
+    store = object_store(settings, s3_client)
     batches = BatchService(
         db,
         events,
@@ -144,6 +161,7 @@ def build_services(settings: Settings) -> Services:
         idempotency_ttl_seconds=settings.idempotency_ttl_seconds,
         max_active_lines_per_tenant=settings.max_active_batch_lines_per_tenant,
         batch_token_budget=settings.batch_token_budget,
+        inputs=ObjectInputs(store, files, settings),
     )
     results = ResultsService(
         db,
@@ -164,8 +182,9 @@ def build_services(settings: Settings) -> Services:
         jobs=jobs,
         streams=streams,
         chat=ChatService(jobs, streams, wait_seconds=settings.sync_wait_seconds),
-        files=FileService(db, policy, settings),
+        files=files,
         batches=batches,
+        scale_batches=ScaleBatchService(db, batches, files, models),
         results=results,
         health=HealthService(db, redis, models.names),
         metrics=MetricsService(db, redis, liveness, models.names),
