@@ -207,11 +207,14 @@ class WorkerRuntime:
         )
         self.webhooks = Periodic("llmq-webhooks", settings.webhook_poll_seconds, self.deliverer.tick, log=log)
         # Ended batches' outputs go to object storage on a thread of their own: a long
-        # upload holds back neither the batch scheduler nor a job.
+        # upload holds back neither the batch scheduler nor a job. A worker with no buckets
+        # configured exports nothing (and so never builds a client for a store it was not
+        # given); one that has them takes the exports.
+        exports = BatchExports(self.db, object_store(settings))
         self.exports = Periodic(
             "llmq-exports",
             settings.s3_export_poll_seconds,
-            BatchExports(self.db, object_store(settings)).export_due,
+            exports.export_due if settings.s3_buckets.strip() else lambda: 0,
             log=log,
         )
         # What the API needs to count prompts for this model: where its tokenizer is (the

@@ -1,0 +1,152 @@
+"""llm-engine's v2 batch completions end to end: the API under gunicorn and a vLLM worker on
+the tiny model, both pointed at a real S3 API server (moto's server mode) the way boto3 is
+configured (AWS_* variables, AWS_ENDPOINT_URL_S3), with their own database and Redis.
+Inline content and an s3:// input run to an output object with one entry per input, in
+order; a running job is cancelled."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from app.cli.embedded import free_port, redis_start
+from app.connections import ADMIN_POOL
+from app.db import Database
+from app.services.keys import KeyService
+from tests.helpers import E2E_MODEL, ApiProcess, Stores, WorkerProcess, fresh_database, stack_env
+from tests.s3 import MotoServer
+
+pytestmark = pytest.mark.integration
+
+TENANT = "tenant-scale-e2e"
+BUCKET = f"llmq-e2e-{secrets.token_hex(3)}"
+
+
+@dataclass
+class S3Stack:
+    url: str
+    key: str
+    moto: MotoServer
+    http: httpx.Client
+
+    def read(self, url: str) -> Any:
+        bucket, _, key = url.removeprefix("s3://").partition("/")
+        return json.loads(self.moto.client().get_object(Bucket=bucket, Key=key)["Body"].read())
+
+
+@pytest.fixture(scope="module")
+def s3_stack(stores: Stores, tiny_model: Path, logs_dir: Path, moto_server: MotoServer) -> Iterator[S3Stack]:
+    moto_server.make_bucket(BUCKET)
+    port = free_port(56800)
+    redis_server = redis_start(Path(tempfile.mkdtemp(prefix="llmq-s3-redis-")), port, persistent=False)
+    # Its own database and Redis: the session's workers would count this one as gone.
+    own = Stores(fresh_database(stores), f"redis://127.0.0.1:{port}/0")
+    env = stack_env(
+        own,
+        tiny_model,
+        E2E_MODEL,
+        LLMQ_S3_BUCKETS=f"{TENANT}={BUCKET}",
+        LLMQ_S3_EXPORT_POLL_SECONDS="0.5",
+        **moto_server.env(),
+    )
+    worker = WorkerProcess(env, logs_dir / "s3-worker.log").start()
+    api = ApiProcess(env, logs_dir / "s3-api.log")
+    own_db = Database.from_url(own.database_url, ADMIN_POOL)
+    key = KeyService(own_db).create_key(TENANT)
+    own_db.dispose()
+    http = httpx.Client(base_url=api.url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+    try:
+        yield S3Stack(api.url, key, moto_server, http)
+    finally:
+        http.close()
+        api.stop()
+        worker.stop()
+        redis_server.stop()
+
+
+def chat_items(n: int) -> list[dict[str, Any]]:
+    return [
+        {"messages": [{"role": "user", "content": f"Item {i}: say something."}], "max_tokens": 3 + i % 3}
+        for i in range(n)
+    ]
+
+
+def request(stack: S3Stack, **fields: Any) -> dict[str, Any]:
+    return {
+        "output_data_path": f"s3://{BUCKET}/out/{secrets.token_hex(4)}.json",
+        "model_config": {"model": E2E_MODEL, "num_shards": 1, "trust_remote_code": False, "checkpoint_path": None},
+        "data_parallelism": 1,
+        "labels": {"team": "e2e"},
+        **fields,
+    }
+
+
+def wait_job(stack: S3Stack, job_id: str, until: set[str], timeout: float = 240) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        job = stack.http.get(f"/v2/batch-completions/{job_id}").json()["job"]
+        if job["status"] in until:
+            return dict(job)
+        assert time.monotonic() < deadline, job
+        time.sleep(0.5)
+
+
+def check_output(stack: S3Stack, job: dict[str, Any], n: int) -> None:
+    """One entry per input, in input order: each a chat completion from the tiny model."""
+    output = stack.read(job["output_data_path"])
+    assert isinstance(output, list) and len(output) == n
+    for i, entry in enumerate(output):
+        assert entry["object"] == "chat.completion" and entry["model"] == E2E_MODEL, entry
+        assert entry["usage"]["completion_tokens"] <= 3 + i % 3  # each item's own max_tokens
+
+
+def test_inline_content_runs_to_an_output_object_in_order(s3_stack: S3Stack) -> None:
+    r = s3_stack.http.post("/v2/batch-completions", json=request(s3_stack, content=chat_items(12)))
+    assert r.status_code == 200, r.text
+    job = r.json()
+    assert job["status"] in ("queued", "running") and job["metadata"] == {"team": "e2e"}
+    done = wait_job(s3_stack, job["job_id"], {"completed", "failed", "cancelled"})
+    assert done["status"] == "completed" and done["completed_at"], done
+    check_output(s3_stack, done, 12)
+
+
+def test_an_s3_input_runs_to_an_output_object_in_order(s3_stack: S3Stack) -> None:
+    key = f"in/{secrets.token_hex(4)}.json"
+    s3_stack.moto.client().put_object(Bucket=BUCKET, Key=key, Body=json.dumps(chat_items(20)).encode())
+    r = s3_stack.http.post(
+        "/v2/batch-completions", json=request(s3_stack, input_data_path=f"s3://{BUCKET}/{key}")
+    )
+    assert r.status_code == 200, r.text
+    done = wait_job(s3_stack, r.json()["job_id"], {"completed", "failed", "cancelled"})
+    assert done["status"] == "completed" and done["input_data_path"] == f"s3://{BUCKET}/{key}", done
+    check_output(s3_stack, done, 20)
+
+
+def test_cancel_keeps_finished_items_and_marks_the_rest(s3_stack: S3Stack) -> None:
+    items = [{**item, "max_tokens": 64, "ignore_eos": True} for item in chat_items(300)]
+    job = s3_stack.http.post("/v2/batch-completions", json=request(s3_stack, content=items)).json()
+    wait_job(s3_stack, job["job_id"], {"running"}, timeout=120)
+    r = s3_stack.http.post(f"/v2/batch-completions/{job['job_id']}/actions/cancel", json={})
+    assert r.status_code == 200 and r.json() == {"success": True}
+    assert wait_job(s3_stack, job["job_id"], {"cancelled"})["status"] == "cancelled"
+    # The output is still written, once the batch has ended: an entry per item, in order.
+    deadline = time.monotonic() + 60
+    while (
+        exported := s3_stack.http.get(f"/v1/batches/{job['job_id']}").json()["x_output_exported_at"]
+    ) is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    output = s3_stack.read(job["output_data_path"])
+    assert len(output) == 300 and exported
+    cancelled = [x for x in output if x.get("code") == "batch_cancelled"]
+    finished = [x for x in output if x.get("object") == "chat.completion"]
+    assert cancelled and len(cancelled) + len(finished) == 300
