@@ -17,6 +17,7 @@ from app.queue import JobQueue, create_producer
 from app.services.addresses import system_resolver
 from app.services.batches import BatchService
 from app.services.chat import ChatService
+from app.services.completion_contract import CompletionPolicy
 from app.services.contract import RequestPolicy
 from app.services.files import FileService
 from app.services.health import HealthService, live_workers
@@ -32,8 +33,10 @@ from app.services.object_store import BucketAccess, ObjectStore, default_client
 from app.services.results import ResultsService
 from app.services.sandbox import ConstraintSandbox
 from app.services.scale_batches import ScaleBatchService
+from app.services.scale_completions import ScaleCompletionService
 from app.services.slots import StreamSlots
 from app.services.streaming import KeyWatch, StreamService
+from app.services.text_completions import TextCompletionService
 from app.services.tokenizers import PromptCounters
 from app.services.webhooks import WebhookService
 from app.settings import Settings
@@ -56,6 +59,8 @@ class Services:
     jobs: JobService
     streams: StreamService
     chat: ChatService
+    text_completions: TextCompletionService
+    scale: ScaleCompletionService
     files: FileService
     batches: BatchService
     scale_batches: ScaleBatchService
@@ -133,6 +138,7 @@ def build_services(settings: Settings, *, s3_client: Callable[[], Any] | None = 
     )
     constraints = ConstraintSandbox.of(settings)
     policy = RequestPolicy(settings, models, constraints=constraints)
+    completion_policy = CompletionPolicy(settings, models, constraints=constraints)
     locks = IdempotencyLocks(redis)
     jobs = JobService(
         db,
@@ -152,7 +158,7 @@ def build_services(settings: Settings, *, s3_client: Callable[[], Any] | None = 
         heartbeat_seconds=settings.sse_heartbeat_seconds,
         key_check_seconds=settings.stream_key_check_seconds,
     )
-    files = FileService(db, policy, settings)
+    files = FileService(db, policy, settings, completion_policy=completion_policy)
     store = object_store(settings, s3_client)
     batches = BatchService(
         db,
@@ -162,6 +168,9 @@ def build_services(settings: Settings, *, s3_client: Callable[[], Any] | None = 
         max_active_lines_per_tenant=settings.max_active_batch_lines_per_tenant,
         batch_token_budget=settings.batch_token_budget,
         inputs=ObjectInputs(store, files, settings),
+    )
+    text_completions = TextCompletionService(
+        jobs, streams, completion_policy, wait_seconds=settings.sync_wait_seconds
     )
     results = ResultsService(
         db,
@@ -182,6 +191,8 @@ def build_services(settings: Settings, *, s3_client: Callable[[], Any] | None = 
         jobs=jobs,
         streams=streams,
         chat=ChatService(jobs, streams, wait_seconds=settings.sync_wait_seconds),
+        text_completions=text_completions,
+        scale=ScaleCompletionService(text_completions, streams),
         files=files,
         batches=batches,
         scale_batches=ScaleBatchService(db, batches, files, models),

@@ -15,12 +15,14 @@ from typing import Any, TypeVar, cast
 
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError, SQLAlchemyError
 
-from app.completions import chunk_header
+from app.completions import CompletionDict, UsageDict, chunk_header
 from app.completions import usage as completion_usage
-from app.domain.status import JobStatus
+from app.domain.status import JobKind, JobStatus
 from app.domain.tools import call_id
 from app.errors import InvalidRequest, LlmqError, error_body
+from app.schemas.chat import ChatCompletionV2Request
 from app.services.contract import ConstraintChecker
+from app.text_completions import text_completion_id
 from worker.deltas import JobStream, StreamShape
 from worker.engine import Engine, EngineDead, EngineUpdate, PromptTooLong, RequestRejected
 from worker.loop import LoopThread
@@ -29,6 +31,7 @@ from worker.slots import JobSlots
 from worker.stats import ResourceSampler, generation_stats, power_usage
 from worker.store import Claim, JobStore, Result
 from worker.streaming import StreamPublisher
+from worker.text_completion import build_text_completion, text_choices
 from worker.translate import Renderer, Translation, translate
 
 log = logging.getLogger("llmq.runner")
@@ -108,6 +111,7 @@ def stream_shape(tr: Translation, job_id: str) -> StreamShape:
         legacy=tr.tools.legacy,
         echo=tr.echo,
         logprobs=tr.logprobs,
+        text=tr.text,
     )
 
 
@@ -277,6 +281,8 @@ class JobRunner:
         header = chunk_header(
             job_id, int(claim.created_at.timestamp()), claim.model, self._config.system_fingerprint
         )
+        if claim.kind == JobKind.COMPLETION.value:
+            header["id"] = text_completion_id(job_id)
         run = Run(claim, self._streams.open(job_id, claim.epoch, header), ctx)
         limit = self._config.max_request_bytes
         if claim.request_bytes > limit:
@@ -373,7 +379,8 @@ class JobRunner:
                 run, error_body(f"the job ran past its deadline of {limit:.0f} s", "timeout", code="timeout")
             )
         elif isinstance(error, PromptTooLong):
-            body = InvalidRequest(str(error), param="messages", code="context_length_exceeded").body()
+            param = "prompt" if run.claim.kind == JobKind.COMPLETION.value else "messages"
+            body = InvalidRequest(str(error), param=param, code="context_length_exceeded").body()
             run.result = self._failed(run, body)
         elif isinstance(error, RequestRejected):
             run.result = self._failed(run, InvalidRequest(str(error), param=error.param).body())
@@ -402,26 +409,18 @@ class JobRunner:
             peak_memory_bytes=max(s.memory_bytes for s in samples),
         )
         usage = completion_usage(outcome.prompt_tokens, outcome.completion_tokens, outcome.cached_tokens)
-        finals = [
-            finalize(
-                c,
-                job_id=claim.job_id,
-                plan=tr.tools,
-                echo=tr.echo,
-                logprobs=tr.logprobs,
-                request=claim.request,
-                extract=self._engine.extract_tool_calls if tr.tools.mode == "auto" else None,
+        response: Any
+        if tr.text:
+            response = build_text_completion(
+                claim.job_id,
+                int(claim.created_at.timestamp()),
+                claim.model,
+                text_choices(outcome.choices, echo=tr.echo, logprobs=tr.logprobs),
+                usage,
+                system_fingerprint=self._config.system_fingerprint,
             )
-            for c in outcome.choices
-        ]
-        run.stream.complete(finals)
-        response = build_completion(
-            claim,
-            finals,
-            usage,
-            system_fingerprint=self._config.system_fingerprint,
-            service_tier=tr.request.service_tier,
-        )
+        else:
+            response = self._chat_response(run, usage)
         cancelled = item.cancelled or any(c.finish_reason == "abort" for c in outcome.choices)
         status = JobStatus.CANCELLED if cancelled else JobStatus.SUCCEEDED
         end = run.stream.end_event(status.value, usage=usage, error=None)
@@ -437,6 +436,30 @@ class JobRunner:
             events=run.stream.events,
             end=end,
             completion_tokens=outcome.completion_tokens,
+        )
+
+    def _chat_response(self, run: Run, usage: UsageDict) -> CompletionDict:
+        claim, tr, outcome = run.claim, run.tr, run.outcome
+        assert tr is not None and outcome is not None and isinstance(tr.request, ChatCompletionV2Request)
+        finals = [
+            finalize(
+                c,
+                job_id=claim.job_id,
+                plan=tr.tools,
+                echo=tr.echo,
+                logprobs=tr.logprobs,
+                request=claim.request,
+                extract=self._engine.extract_tool_calls if tr.tools.mode == "auto" else None,
+            )
+            for c in outcome.choices
+        ]
+        run.stream.complete(finals)
+        return build_completion(
+            claim,
+            finals,
+            usage,
+            system_fingerprint=self._config.system_fingerprint,
+            service_tier=tr.request.service_tier,
         )
 
     def _failed(self, run: Run, error: dict[str, Any]) -> Result:

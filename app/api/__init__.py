@@ -18,7 +18,20 @@ def create_app(settings: Settings | None = None, *, services: Services | None = 
     Raises:
         TypeError: both `settings` and `services` were given.
     """
-    from app.api import batches, chat, errors, files, health, jobs, models, openapi, scale_batches, webhooks
+    from app.api import (
+        batches,
+        chat,
+        completions,
+        errors,
+        files,
+        health,
+        jobs,
+        models,
+        openapi,
+        scale,
+        scale_batches,
+        webhooks,
+    )
     from app.api.access import AccessLog
     from app.logs import configure_logging
 
@@ -36,6 +49,8 @@ def create_app(settings: Settings | None = None, *, services: Services | None = 
         health.bp,
         jobs.bp,
         chat.bp,
+        completions.bp,
+        scale.bp,
         files.bp,
         batches.bp,
         scale_batches.bp,

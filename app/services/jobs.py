@@ -19,6 +19,7 @@ from app.request_ids import current_request_id
 from app.schemas.base import unix_time
 from app.schemas.chat import ChatCompletionV2Request
 from app.schemas.jobs import JobList, JobObject
+from app.schemas.text_completion import JobRequest
 from app.services.contract import RequestPolicy
 from app.services.idempotency import IdempotencyKey, IdempotencyLocks, find_replay
 from app.services.keys import Principal
@@ -100,12 +101,13 @@ class JobService:
     def submit_request(
         self,
         principal: Principal,
-        request: ChatCompletionV2Request,
+        request: JobRequest,
         *,
         kind: JobKind = JobKind.CHAT,
         idem: IdempotencyKey | None = None,
     ) -> JobObject:
-        """Store, then enqueue one validated job. The job is durable before any message
+        """Store, then enqueue one validated job (`kind` says which request it is: a chat
+        completion, or a text completion for `JobKind.COMPLETION`). The job is durable before any message
         names it; if Redis is down the sweeper sends the message once it is back. With an
         idempotency key seen before (same body), the job it made is returned instead.
 
@@ -129,7 +131,7 @@ class JobService:
     def _insert(
         self,
         principal: Principal,
-        request: ChatCompletionV2Request,
+        request: JobRequest,
         kind: JobKind,
         idem: IdempotencyKey | None,
     ) -> JobObject:

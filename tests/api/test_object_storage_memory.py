@@ -59,9 +59,8 @@ def store(moto_server: MotoServer) -> ObjectStore:
 def test_a_200_mb_object_is_written_and_read_in_bounded_memory(store: ObjectStore) -> None:
     path = ObjectPath("llmq-big", f"big-{secrets.token_hex(3)}.jsonl")
     store.client()  # built outside the measurement
-    with peak_rss_growth() as written:
-        with store.writer(path, param="output_data_path") as out:
-            out.write_all(generate())
+    with peak_rss_growth() as written, store.writer(path, param="output_data_path") as out:
+        out.write_all(generate())
     expected = sum(len(b) for b in generate())
     assert out.bytes_written == expected >= 190 * 1024 * 1024
     assert store.size(path, param="p") == expected
@@ -78,6 +77,7 @@ def test_a_200_mb_object_is_written_and_read_in_bounded_memory(store: ObjectStor
             body.close()
     assert total == expected and lines == expected // len(LINE)
     assert read[0] < BOUND, f"reading grew RSS by {read[0] / 2**20:.0f} MiB"
+    mib = 2**20
     print(
-        f"RSS growth: write {written[0] / 2**20:.1f} MiB, read {read[0] / 2**20:.1f} MiB for {expected / 2**20:.0f} MiB"
+        f"RSS growth: write {written[0] / mib:.1f} MiB, read {read[0] / mib:.1f} MiB for {expected / mib:.0f} MiB"
     )

@@ -83,7 +83,12 @@ def chat_items(n: int) -> list[dict[str, Any]]:
 def request(stack: S3Stack, **fields: Any) -> dict[str, Any]:
     return {
         "output_data_path": f"s3://{BUCKET}/out/{secrets.token_hex(4)}.json",
-        "model_config": {"model": E2E_MODEL, "num_shards": 1, "trust_remote_code": False, "checkpoint_path": None},
+        "model_config": {
+            "model": E2E_MODEL,
+            "num_shards": 1,
+            "trust_remote_code": False,
+            "checkpoint_path": None,
+        },
         "data_parallelism": 1,
         "labels": {"team": "e2e"},
         **fields,
