@@ -33,6 +33,9 @@ class TextBatchInputLine(WireModel):
     body: CompletionRequest
 
 
+# An object storage path (app/services/object_store.py): s3://, a bucket name, a key.
+OBJECT_PATH_PATTERN = r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]/[^\x00]+$"
+
 MIN_EXPIRY_SECONDS = 3600
 MAX_EXPIRY_SECONDS = 30 * 24 * 3600
 
@@ -115,6 +118,7 @@ class BatchCreate(WireModel):
     x_output_data_path: str | None = Field(
         default=None,
         max_length=1100,
+        json_schema_extra={"pattern": OBJECT_PATH_PATTERN},
         description="An `s3://bucket/key` the batch's output is written to when it ends: every line "
         "in input order, as output file lines (JSONL).",
     )

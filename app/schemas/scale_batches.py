@@ -13,6 +13,7 @@ from pydantic import Field
 
 from app.domain.metadata import JSON_SCHEMA as METADATA_SCHEMA
 from app.schemas.base import WireModel
+from app.schemas.batches import OBJECT_PATH_PATTERN
 
 # The values the unchanged client always sends for fields llmq does not manage: these mean
 # "nothing asked". Any other value asks for hardware, a checkpoint or an engine setting.
@@ -84,8 +85,10 @@ class CreateBatchCompletionsV2Request(WireModel):
     """`content` is a list of chat requests (each with `messages`) or of completion
     requests (each with `prompt`); each item's `model` is `model_config.model`."""
 
-    input_data_path: str | None = Field(default=None, max_length=1100)
-    output_data_path: str = Field(max_length=1100)
+    input_data_path: str | None = Field(
+        default=None, max_length=1100, json_schema_extra={"pattern": OBJECT_PATH_PATTERN}
+    )
+    output_data_path: str = Field(max_length=1100, json_schema_extra={"pattern": OBJECT_PATH_PATTERN})
     labels: dict[str, str] = Field(default_factory=dict, json_schema_extra=METADATA_SCHEMA)
     data_parallelism: int | None = None
     max_runtime_sec: int | None = Field(default=None, ge=1, le=MAX_RUNTIME_SECONDS)

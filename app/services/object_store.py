@@ -48,12 +48,9 @@ def is_object_path(value: str) -> bool:
     return "://" in value
 
 
-def parse_path(value: str, *, param: str) -> ObjectPath:
-    """`s3://bucket/key`, checked.
-
-    Raises:
-        InvalidRequest: another scheme (file://, http://, ...), or no valid bucket or key.
-    """
+def _split(value: str, param: str) -> ObjectPath:
+    """Scheme and bucket checked, the key not yet: a bucket not allowed is a 403 whatever
+    the key (app/schemas/batches.py's OBJECT_PATH_PATTERN says the same to clients)."""
     if not value.startswith(SCHEME):
         scheme = value.split("://", 1)[0] + "://" if "://" in value else "a plain path"
         raise InvalidRequest(
@@ -63,17 +60,30 @@ def parse_path(value: str, *, param: str) -> ObjectPath:
             code="unsupported_path",
         )
     bucket, _, key = value[len(SCHEME) :].partition("/")
-    if not _BUCKET.fullmatch(bucket) or ".." in bucket:
+    if not _BUCKET.fullmatch(bucket):
         raise InvalidRequest(
             f"{param} {value!r} does not name a valid bucket", param=param, code="invalid_path"
         )
-    if not key or len(key.encode("utf-8")) > MAX_KEY_BYTES or "\x00" in key:
+    return ObjectPath(bucket, key)
+
+
+def _check_key(path: ObjectPath, param: str) -> ObjectPath:
+    if not path.key or len(path.key.encode("utf-8")) > MAX_KEY_BYTES or "\x00" in path.key:
         raise InvalidRequest(
-            f"{param} {value!r} needs an object key of 1 to {MAX_KEY_BYTES} bytes after the bucket",
+            f"{param} {str(path)!r} needs an object key of 1 to {MAX_KEY_BYTES} bytes after the bucket",
             param=param,
             code="invalid_path",
         )
-    return ObjectPath(bucket, key)
+    return path
+
+
+def parse_path(value: str, *, param: str) -> ObjectPath:
+    """`s3://bucket/key`, checked.
+
+    Raises:
+        InvalidRequest: another scheme (file://, http://, ...), or no valid bucket or key.
+    """
+    return _check_key(_split(value, param), param)
 
 
 @dataclass(frozen=True)
@@ -244,14 +254,14 @@ class ObjectStore:
             InvalidRequest: not an s3://bucket/key path.
             Forbidden: the bucket is not one LLMQ_S3_BUCKETS allows this tenant.
         """
-        path = parse_path(value, param=param)
+        path = _split(value, param)
         if not self._access.allows(tenant_id, path.bucket):
             raise Forbidden(
                 f"{param} {value!r}: bucket {path.bucket!r} is not allowed for this tenant (LLMQ_S3_BUCKETS)",
                 param=param,
                 code="bucket_not_allowed",
             )
-        return path
+        return _check_key(path, param)
 
     def size(self, path: ObjectPath, *, param: str) -> int:
         """The object's size in bytes.

@@ -1,5 +1,6 @@
 """llm-engine's v2 batch completions on llmq batches: each item of `content` (or of the
-JSON array at `input_data_path`) becomes one line of an llmq batch, so per-line jobs,
+JSON array at `input_data_path`), a chat request (`/v1/chat/completions`) or a text
+completion request (`/v1/completions`), becomes one line of an llmq batch, so per-line jobs,
 progress, retries, resume, deadlines (`max_runtime_sec`) and metadata (`labels`) are the
 batch machinery's own (app/services/batches.py). When the batch ends a worker writes the
 output to `output_data_path` as llm-engine does (app/services/batch_export.py).
@@ -29,7 +30,7 @@ from app.domain.metadata import check_metadata
 from app.domain.status import BatchStatus
 from app.errors import Conflict, InvalidRequest, NotFound
 from app.models import Batch
-from app.schemas.batches import BatchObject
+from app.schemas.batches import TEXT_COMPLETIONS_URL, BatchObject
 from app.schemas.scale_batches import (
     NOTHING_ASKED,
     BatchCompletionsJob,
@@ -73,21 +74,16 @@ def asked_for(req: CreateBatchCompletionsV2Request) -> list[str]:
 
 
 def item_kind(item: dict[str, Any], number: int) -> str:
-    """The endpoint of one request: chat (it has `messages`) or completion (`prompt`).
+    """The endpoint of one request: chat (it has `messages`) or text completion (`prompt`).
 
     Raises:
-        InvalidRequest: neither, or a completion (not served by this deployment yet).
+        InvalidRequest: neither.
     """
     if "messages" in item:
         return CHAT_ENDPOINT
-    param = f"content[{number - 1}]"
     if "prompt" in item:
-        raise InvalidRequest(
-            f"{param} is a completion request (it has `prompt`); llmq's v2 batch completions take "
-            "chat requests (with `messages`) only",
-            param=param,
-            code="unsupported_item",
-        )
+        return TEXT_COMPLETIONS_URL
+    param = f"content[{number - 1}]"
     raise InvalidRequest(
         f"{param} is neither a chat request (`messages`) nor a completion request (`prompt`)",
         param=param,

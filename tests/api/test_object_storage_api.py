@@ -27,6 +27,10 @@ from tests.s3 import MotoServer
 CLIENT_REQUEST = json.loads(
     (Path(__file__).parents[1] / "unit" / "data" / "llmengine_v2_batch_request.json").read_text()
 )
+# A completion item as the same client sends it (FilteredCompletionV2Request's `.dict()`).
+COMPLETION_ITEM = json.loads(
+    (Path(__file__).parents[1] / "unit" / "data" / "llmengine_v2_completion_item.json").read_text()
+)
 SUFFIX = secrets.token_hex(3)
 TENANT_A = f"s3-a-{SUFFIX}"
 TENANT_B = f"s3-b-{SUFFIX}"
@@ -140,6 +144,19 @@ def test_the_unchanged_clients_body_creates_a_queued_job(c: FlaskClient, keys, s
     assert c.get(f"/v2/batch-completions/{job['job_id']}", headers=auth(keys["b"])).status_code == 404
 
 
+def test_completion_items_become_text_completion_lines(c: FlaskClient, keys, s3_services) -> None:
+    items = [{**COMPLETION_ITEM, "prompt": f"Once upon a time {i}"} for i in range(3)]
+    r = c.post("/v2/batch-completions", json=request_body(content=items), headers=auth(keys["a"]))
+    assert r.status_code == 200, r.get_json()
+    batch = c.get(f"/v1/batches/{r.get_json()['job_id']}", headers=auth(keys["a"])).get_json()
+    assert batch["endpoint"] == "/v1/completions" and batch["request_counts"]["total"] == 3
+    with s3_services.db.session() as s:
+        kinds = s.execute(
+            text("SELECT DISTINCT kind FROM jobs WHERE batch_id = :b"), {"b": batch["id"]}
+        ).all()
+    assert [k[0] for k in kinds] == ["completion"]
+
+
 @pytest.mark.parametrize(
     ("change", "named"),
     [
@@ -174,7 +191,8 @@ def test_bad_requests_name_their_field(c: FlaskClient, keys) -> None:
         (request_body(1, input_data_path=f"s3://{BUCKET_A}/in.json"), 400, "content"),
         (request_body(1, priority="high"), 400, "priority"),
         (request_body(1, labels={"k" * 100: "v"}), 400, "labels"),
-        (request_body(1, content=[{"prompt": "hi", "max_tokens": 3}]), 400, "content[0]"),
+        (request_body(1, content=[{"max_tokens": 3}]), 400, "content[0]"),
+        (request_body(1, content=[*request_body(1)["content"], COMPLETION_ITEM]), 400, "content[1]"),
     ]
     for body, status, param in cases:
         r = c.post("/v2/batch-completions", json=body, headers=auth(keys["a"]))

@@ -78,6 +78,5 @@ def test_a_200_mb_object_is_written_and_read_in_bounded_memory(store: ObjectStor
     assert total == expected and lines == expected // len(LINE)
     assert read[0] < BOUND, f"reading grew RSS by {read[0] / 2**20:.0f} MiB"
     mib = 2**20
-    print(
-        f"RSS growth: write {written[0] / mib:.1f} MiB, read {read[0] / mib:.1f} MiB for {expected / mib:.0f} MiB"
-    )
+    grew = f"write {written[0] / mib:.1f} MiB, read {read[0] / mib:.1f} MiB"
+    print(f"RSS growth for {expected / mib:.0f} MiB: {grew}")
