@@ -2,12 +2,14 @@
 the tiny model, both pointed at a real S3 API server (moto's server mode) the way boto3 is
 configured (AWS_* variables, AWS_ENDPOINT_URL_S3), with their own database and Redis.
 Inline content and an s3:// input run to an output object with one entry per input, in
-order; a running job is cancelled."""
+order; a running job is cancelled. The same again through Scale's unchanged client."""
 
 from __future__ import annotations
 
 import json
+import os
 import secrets
+import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
@@ -22,7 +24,7 @@ from app.cli.embedded import free_port, redis_start
 from app.connections import ADMIN_POOL
 from app.db import Database
 from app.services.keys import KeyService
-from tests.helpers import E2E_MODEL, ApiProcess, Stores, WorkerProcess, fresh_database, stack_env
+from tests.helpers import E2E_MODEL, ROOT, ApiProcess, Stores, WorkerProcess, fresh_database, stack_env
 from tests.s3 import MotoServer
 
 pytestmark = pytest.mark.integration
@@ -155,3 +157,73 @@ def test_cancel_keeps_finished_items_and_marks_the_rest(s3_stack: S3Stack) -> No
     cancelled = [x for x in output if x.get("code") == "batch_cancelled"]
     finished = [x for x in output if x.get("object") == "chat.completion"]
     assert cancelled and len(cancelled) + len(finished) == 300
+
+
+CLIENT_PYTHON = ROOT / ".test-clients" / "llmengine" / "bin" / "python"
+
+
+def llmengine(stack: S3Stack, **call: Any) -> Any:
+    """One call of the unchanged `llmengine` client (its own environment), against this
+    stack: HTTP Basic with the key as the user name, as the client always sends."""
+    assert CLIENT_PYTHON.exists(), "Scale's client is missing: run scripts/test-deps.sh"
+    env = {
+        "LLM_ENGINE_BASE_PATH": stack.url + "/",
+        "SCALE_API_KEY": stack.key,
+        "LLM_ENGINE_DISABLE_VERSION_CHECK": "true",
+        "PATH": os.environ.get("PATH", ""),
+    }
+    done = subprocess.run(
+        [str(CLIENT_PYTHON), str(ROOT / "tests" / "llmengine_driver.py"), json.dumps(call)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def client_wait(stack: S3Stack, job_id: str, until: set[str], timeout: float = 240) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        job = llmengine(stack, call="get", job_id=job_id)["job"]
+        if job["status"] in until:
+            return dict(job)
+        assert time.monotonic() < deadline, job
+        time.sleep(1)
+
+
+def test_the_unchanged_llmengine_client(s3_stack: S3Stack) -> None:
+    """`Completion.batch_create(use_v2=True)` with inline chat content and with an s3://
+    input of completion requests, `get_batch_completion` until done, and cancel."""
+    base = {"call": "batch_create", "model": E2E_MODEL, "labels": {"via": "llmengine"}}
+    inline = llmengine(
+        s3_stack,
+        **base,
+        output_data_path=f"s3://{BUCKET}/client/{secrets.token_hex(4)}.json",
+        content=chat_items(6),
+    )
+    assert inline["status"] in ("queued", "running") and inline["metadata"] == {"via": "llmengine"}
+    key = f"client/in-{secrets.token_hex(4)}.json"
+    prompts = [{"prompt": f"Once upon a time {i}", "max_tokens": 4} for i in range(7)]
+    s3_stack.moto.client().put_object(Bucket=BUCKET, Key=key, Body=json.dumps(prompts).encode())
+    from_s3 = llmengine(
+        s3_stack,
+        **base,
+        output_data_path=f"s3://{BUCKET}/client/{secrets.token_hex(4)}.json",
+        input_data_path=f"s3://{BUCKET}/{key}",
+    )
+    done = client_wait(s3_stack, inline["job_id"], {"completed", "failed", "cancelled"})
+    assert done["status"] == "completed", done
+    check_output(s3_stack, done, 6)
+    done = client_wait(s3_stack, from_s3["job_id"], {"completed", "failed", "cancelled"})
+    assert done["status"] == "completed", done
+    output = s3_stack.read(done["output_data_path"])
+    assert len(output) == 7 and all(x["object"] == "text_completion" for x in output), output
+    long = [{**x, "max_tokens": 64, "ignore_eos": True} for x in chat_items(300)]
+    running = llmengine(
+        s3_stack, **base, output_data_path=f"s3://{BUCKET}/client/{secrets.token_hex(4)}.json", content=long
+    )
+    assert llmengine(s3_stack, call="cancel", job_id=running["job_id"]) == {"success": True}
+    assert client_wait(s3_stack, running["job_id"], {"cancelled"})["status"] == "cancelled"
