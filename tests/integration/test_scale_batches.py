@@ -231,3 +231,33 @@ def test_the_unchanged_llmengine_client(s3_stack: S3Stack) -> None:
     )
     assert llmengine(s3_stack, call="cancel", job_id=running["job_id"]) == {"success": True}
     assert client_wait(s3_stack, running["job_id"], {"cancelled"})["status"] == "cancelled"
+
+
+def test_an_openai_batch_reads_and_writes_s3(s3_stack: S3Stack) -> None:
+    """The openai SDK, unchanged: an s3:// JSONL object as `input_file_id`, the output
+    written to `x_output_data_path` (sent as `extra_body`), every line in input order."""
+    import openai
+
+    from tests.helpers import lines, wait_batch
+
+    client = openai.OpenAI(base_url=f"{s3_stack.url}/v1", api_key=s3_stack.key, max_retries=0)
+    key = f"openai/in-{secrets.token_hex(4)}.jsonl"
+    s3_stack.moto.client().put_object(Bucket=BUCKET, Key=key, Body=lines(E2E_MODEL, 25))
+    target = f"s3://{BUCKET}/openai/out-{secrets.token_hex(4)}.jsonl"
+    batch = client.batches.create(
+        input_file_id=f"s3://{BUCKET}/{key}",
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+        extra_body={"x_output_data_path": target},
+    )
+    assert batch.status == "in_progress" and batch.request_counts and batch.request_counts.total == 25
+    assert wait_batch(client, batch.id).status == "completed"
+    deadline = time.monotonic() + 60
+    while (done := s3_stack.http.get(f"/v1/batches/{batch.id}").json())["x_output_exported_at"] is None:
+        assert time.monotonic() < deadline, done
+        time.sleep(0.5)
+    bucket, _, name = target.removeprefix("s3://").partition("/")
+    body = s3_stack.moto.client().get_object(Bucket=bucket, Key=name)["Body"].read()
+    out = [json.loads(x) for x in body.splitlines()]
+    assert [x["custom_id"] for x in out] == [f"line-{i}" for i in range(25)]
+    assert all(x["response"]["status_code"] == 200 for x in out)
