@@ -1,5 +1,5 @@
 """Scale's `llmengine` client, unchanged, driven from the command line: run with the
-client's own environment (.test-clients/llmengine, made by scripts/test-deps.sh), with
+client's own environment (.venv-llmengine, made by scripts/scale-client.sh), with
 `LLM_ENGINE_BASE_PATH` and `SCALE_API_KEY` set as its users set them. Imports nothing of
 llmq's. `argv[1]` is one call as JSON; what the client returns is printed as JSON."""
 

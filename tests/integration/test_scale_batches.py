@@ -163,13 +163,20 @@ def test_cancel_keeps_finished_items_and_marks_the_rest(s3_stack: S3Stack) -> No
     assert cancelled and len(finished) >= 20 and len(cancelled) + len(finished) == 600
 
 
-CLIENT_PYTHON = ROOT / ".test-clients" / "llmengine" / "bin" / "python"
+# Scale's client in its own environment (scripts/scale-client.sh, shared with
+# tests/integration/test_text_completions.py).
+CLIENT_PYTHON = ROOT / ".venv-llmengine" / "bin" / "python"
+
+
+@pytest.fixture(scope="module")
+def scale_client() -> Path:
+    subprocess.run(["bash", str(ROOT / "scripts" / "scale-client.sh")], check=True, cwd=ROOT)
+    return CLIENT_PYTHON
 
 
 def llmengine(stack: S3Stack, **call: Any) -> Any:
     """One call of the unchanged `llmengine` client (its own environment), against this
     stack: HTTP Basic with the key as the user name, as the client always sends."""
-    assert CLIENT_PYTHON.exists(), "Scale's client is missing: run scripts/test-deps.sh"
     env = {
         "LLM_ENGINE_BASE_PATH": stack.url + "/",
         "SCALE_API_KEY": stack.key,
@@ -198,7 +205,7 @@ def client_wait(stack: S3Stack, job_id: str, until: set[str], timeout: float = 2
         time.sleep(1)
 
 
-def test_the_unchanged_llmengine_client(s3_stack: S3Stack) -> None:
+def test_the_unchanged_llmengine_client(s3_stack: S3Stack, scale_client: Path) -> None:
     """`Completion.batch_create(use_v2=True)` with inline chat content and with an s3://
     input of completion requests, `get_batch_completion` until done, and cancel."""
     base = {"call": "batch_create", "model": E2E_MODEL, "labels": {"via": "llmengine"}}
