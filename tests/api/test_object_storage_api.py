@@ -376,3 +376,39 @@ def test_an_output_the_store_refuses_fails_the_job(c: FlaskClient, keys, moto_se
         batch["x_output_export_error"]["code"] == "object_not_found"
         and GONE in batch["x_output_export_error"]["message"]
     )
+
+
+def test_a_store_that_cannot_be_reached_is_tried_again(
+    c: FlaskClient, keys, moto_server, s3_services
+) -> None:
+    """Unreachable is not final: the export waits (the job stays `running`, no error) and
+    succeeds once the store answers."""
+    import boto3
+    from botocore.config import Config
+
+    from app.services.object_store import BucketAccess, ObjectStore
+
+    job = c.post("/v2/batch-completions", json=request_body(2), headers=auth(keys["a"])).get_json()
+    finish_lines(s3_services, job["job_id"])
+    dead = ObjectStore(
+        BucketAccess.parse(f"*={BUCKET_A}"),
+        lambda: boto3.session.Session().client(
+            "s3",
+            endpoint_url="http://127.0.0.1:9",
+            aws_access_key_id="x",
+            aws_secret_access_key="y",
+            region_name="us-east-1",
+            config=Config(retries={"max_attempts": 1}, connect_timeout=1),
+        ),
+    )
+    assert BatchExports(s3_services.db, dead).export_due() == 0
+    got = c.get(f"/v2/batch-completions/{job['job_id']}", headers=auth(keys["a"])).get_json()["job"]
+    assert got["status"] == "running"
+    batch = c.get(f"/v1/batches/{job['job_id']}", headers=auth(keys["a"])).get_json()
+    assert batch["x_output_export_error"] is None and batch["x_output_exported_at"] is None
+    # Its retry is RETRY_SECONDS away; time passes.
+    with s3_services.db.session() as s:
+        s.execute(text("UPDATE batches SET export_lease_until = now() WHERE id = :b"), {"b": job["job_id"]})
+    assert BatchExports(s3_services.db, s3_services.batches.objects()).export_due() >= 1
+    got = c.get(f"/v2/batch-completions/{job['job_id']}", headers=auth(keys["a"])).get_json()["job"]
+    assert got["status"] == "completed" and len(json.loads(get(moto_server, job["output_data_path"]))) == 2
