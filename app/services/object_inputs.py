@@ -1,13 +1,16 @@
 """A batch's input read from object storage into an llmq input file, streamed: the object's
 body is read as its lines are checked and copied into Postgres (app/services/files.py), the
 same path an upload takes, so memory stays bounded whatever the object's size. It runs in
-the request that creates the batch, as an upload does: under gevent the reads from the
-store yield to the process's other requests."""
+the request that creates the batch, as an upload does (its errors are that request's 400s,
+with line numbers). Under gevent a read from the store yields only when no bytes are
+waiting, and checking lines is CPU work, so the import also yields every YIELD_EVERY
+lines: the process's other requests are served while a large object is read."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -18,6 +21,8 @@ from app.services.json_items import array_items
 from app.services.keys import Principal
 from app.services.object_store import ObjectPath, ObjectStore
 from app.settings import Settings
+
+YIELD_EVERY = 256
 
 # An item of a JSON array and its 1-based position -> one input file line (no newline).
 ItemToLine = Callable[[int, dict[str, object]], bytes]
@@ -57,9 +62,8 @@ class ObjectInputs:
         """
         path = self._open(principal, value, param)
         with contextlib.closing(self.store.reader(path, param=param)) as body:
-            stored = self._files.store_lines(
-                principal, bounded_lines(body, self._settings.max_line_bytes), str(path)
-            )
+            lines = bounded_lines(body, self._settings.max_line_bytes)
+            stored = self._files.store_lines(principal, cooperative(lines), str(path))
         return ImportedInput(path, stored)
 
     def import_items(
@@ -73,7 +77,9 @@ class ObjectInputs:
         path = self._open(principal, value, param)
         with contextlib.closing(self.store.reader(path, param=param)) as body:
             items = array_items(body, max_item_bytes=self._settings.max_line_bytes, param=param)
-            stored = self._files.store_lines(principal, item_lines(items, to_line, param), str(path))
+            stored = self._files.store_lines(
+                principal, cooperative(item_lines(items, to_line, param)), str(path)
+            )
         return ImportedInput(path, stored)
 
 
@@ -93,3 +99,12 @@ def item_lines(items: Iterator[bytes], to_line: ItemToLine, param: str) -> Itera
                 code="invalid_line",
             )
         yield to_line(number, item)
+
+
+def cooperative(lines: Iterator[bytes]) -> Iterator[bytes]:
+    """`lines`, yielding the processor every YIELD_EVERY of them (`time.sleep(0)` is a
+    switch under gevent's patched standard library, a GIL release under threads)."""
+    for number, line in enumerate(lines, start=1):
+        if number % YIELD_EVERY == 0:
+            time.sleep(0)
+        yield line
