@@ -5,8 +5,9 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from redis import Redis
 
@@ -30,8 +31,11 @@ from app.services.limits import RateLimiter
 from app.services.metrics import ClusterLease, MetricsService
 from app.services.models import ModelRegistry, declared_models
 from app.services.notifier import Notifier
+from app.services.object_inputs import ObjectInputs
+from app.services.object_store import BucketAccess, ObjectStore, default_client
 from app.services.results import ResultsService
 from app.services.sandbox import ConstraintSandbox
+from app.services.scale_batches import ScaleBatchService
 from app.services.scale_completions import ScaleCompletionService
 from app.services.slots import StreamSlots
 from app.services.streaming import KeyWatch, StreamService
@@ -62,6 +66,7 @@ class Services:
     scale: ScaleCompletionService
     files: FileService
     batches: BatchService
+    scale_batches: ScaleBatchService
     results: ResultsService
     health: HealthService
     metrics: MetricsService
@@ -109,7 +114,17 @@ def template_sandbox(settings: Settings, model: str, *, wait_seconds: float | No
     )
 
 
-def build_services(settings: Settings) -> Services:
+def object_store(settings: Settings, client: Callable[[], Any] | None = None) -> ObjectStore:
+    """The one S3-compatible store (boto3's own configuration unless `client` builds one),
+    with the buckets each tenant may use."""
+    return ObjectStore(
+        BucketAccess.parse(settings.s3_buckets), client or default_client, part_bytes=settings.s3_part_bytes
+    )
+
+
+def build_services(settings: Settings, *, s3_client: Callable[[], Any] | None = None) -> Services:
+    """`s3_client`: builds the object store's client (tests point it at their own store);
+    by default boto3's, configured by the environment."""
     pool = api_pool(settings)
     db = Database.from_settings(settings, pool, pool_timeout=settings.db_pool_timeout_seconds)
     log.info(pool.describe(), extra={"pool": pool.pool, "overflow": pool.overflow, "role": "api"})
@@ -155,6 +170,8 @@ def build_services(settings: Settings) -> Services:
         heartbeat_seconds=settings.sse_heartbeat_seconds,
         key_check_seconds=settings.stream_key_check_seconds,
     )
+    files = FileService(db, policy, settings, completion_policy=completion_policy)
+    store = object_store(settings, s3_client)
     batches = BatchService(
         db,
         events,
@@ -163,6 +180,7 @@ def build_services(settings: Settings) -> Services:
         max_active_lines_per_tenant=settings.max_active_batch_lines_per_tenant,
         batch_token_budget=settings.batch_token_budget,
         submitted=api_metrics.count_submitted,
+        inputs=ObjectInputs(store, files, settings),
     )
     text_completions = TextCompletionService(
         jobs, streams, completion_policy, wait_seconds=settings.sync_wait_seconds
@@ -188,8 +206,9 @@ def build_services(settings: Settings) -> Services:
         chat=ChatService(jobs, streams, wait_seconds=settings.sync_wait_seconds),
         text_completions=text_completions,
         scale=ScaleCompletionService(text_completions, streams),
-        files=FileService(db, policy, settings, completion_policy=completion_policy),
+        files=files,
         batches=batches,
+        scale_batches=ScaleBatchService(db, batches, files, models),
         results=results,
         health=HealthService(db, redis, models.names),
         metrics=MetricsService(

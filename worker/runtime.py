@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from app.connections import WEBHOOK_POOL, worker_pool
-from app.container import redis_client
+from app.container import object_store, redis_client
 from app.db import Database
 from app.domain.prompts import ChatRenderer
 from app.events import JobEvents
@@ -22,6 +22,7 @@ from app.liveness import Liveness
 from app.periodic import Periodic
 from app.queue import JobQueue, create_producer
 from app.services.addresses import system_resolver
+from app.services.batch_export import BatchExports
 from app.services.batch_lifecycle import BatchLifecycle
 from app.services.expiry import FileExpiry
 from app.services.health import absent_workers, live_capacities
@@ -220,6 +221,17 @@ class WorkerRuntime:
             ),
         )
         self.webhooks = Periodic("llmq-webhooks", settings.webhook_poll_seconds, self.deliverer.tick, log=log)
+        # Ended batches' outputs go to object storage on a thread of their own: a long
+        # upload holds back neither the batch scheduler nor a job. A worker with no buckets
+        # configured exports nothing (and so never builds a client for a store it was not
+        # given); one that has them takes the exports.
+        exports = BatchExports(self.db, object_store(settings))
+        self.exports = Periodic(
+            "llmq-exports",
+            settings.s3_export_poll_seconds,
+            exports.export_due if settings.s3_buckets.strip() else lambda: 0,
+            log=log,
+        )
         # What the API needs to count prompts for this model: where its tokenizer is (the
         # folder or name this worker loaded; none for an engine without a tokenizer).
         self.tokenizer_source = settings.model if isinstance(renderer, ChatRenderer) else None
@@ -280,6 +292,7 @@ class WorkerRuntime:
             self.cancels,
             self.heartbeat,
             self.webhooks,
+            self.exports,
         )
         for part in parts:
             part.start()
@@ -305,6 +318,7 @@ class WorkerRuntime:
     def stop(self) -> None:
         self._stopped.set()
         for part in (
+            self.exports,
             self.webhooks,
             self.presence,
             self.heartbeat,

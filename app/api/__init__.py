@@ -30,6 +30,7 @@ def create_app(settings: Settings | None = None, *, services: Services | None = 
         models,
         openapi,
         scale,
+        scale_batches,
         webhooks,
     )
     from app.api.access import AccessLog
@@ -54,6 +55,7 @@ def create_app(settings: Settings | None = None, *, services: Services | None = 
         scale.bp,
         files.bp,
         batches.bp,
+        scale_batches.bp,
         models.bp,
         webhooks.bp,
         openapi.bp,

@@ -39,6 +39,12 @@ from app.schemas.scale import (
     CompletionSyncV1Request,
     CompletionSyncV1Response,
 )
+from app.schemas.scale_batches import (
+    BatchCompletionsJob,
+    CancelBatchCompletionsV2Response,
+    CreateBatchCompletionsV2Request,
+    GetBatchCompletionV2Response,
+)
 from app.schemas.text_completion import CompletionRequest
 from app.schemas.webhooks import (
     RotateSecret,
@@ -191,7 +197,16 @@ ROUTES: list[Route] = [
     ("get", "/v1/files/{file_id}", "Read one file's metadata", None, {200: FileObject}, ["file_id"], []),
     ("get", "/v1/files/{file_id}/content", "A file's bytes", None, {200: None}, ["file_id"], []),
     ("delete", "/v1/files/{file_id}", "Delete a file", None, {200: FileDeleted}, ["file_id"], []),
-    ("post", "/v1/batches", "Create a batch from an uploaded file", BatchCreate, {200: BatchObject}, [], []),
+    (
+        "post",
+        "/v1/batches",
+        "Create a batch from an uploaded file or an s3:// JSONL object (`x_output_data_path`: "
+        "also write the output there when it ends)",
+        BatchCreate,
+        {200: BatchObject},
+        [],
+        [],
+    ),
     (
         "get",
         "/v1/batches",
@@ -216,6 +231,34 @@ ROUTES: list[Route] = [
             ("after", {"type": "string", "pattern": "^[0-9]{1,18}\\.[0-9]{1,9}$"}),
             ("follow", {"type": "boolean"}),
         ],
+    ),
+    (
+        "post",
+        "/v2/batch-completions",
+        "Scale LLM Engine v2 batch completions: `content` or an s3:// `input_data_path`, output "
+        "written to the s3:// `output_data_path` (each item an llmq batch line; the job id is the batch's)",
+        CreateBatchCompletionsV2Request,
+        {200: BatchCompletionsJob},
+        [],
+        [],
+    ),
+    (
+        "get",
+        "/v2/batch-completions/{job_id}",
+        "Read one v2 batch completions job",
+        None,
+        {200: GetBatchCompletionV2Response},
+        ["job_id"],
+        [],
+    ),
+    (
+        "post",
+        "/v2/batch-completions/{job_id}/actions/cancel",
+        "Cancel a v2 batch completions job (`success: false` if it had already ended)",
+        None,
+        {200: CancelBatchCompletionsV2Response},
+        ["job_id"],
+        [],
     ),
     (
         "post",
@@ -312,6 +355,7 @@ _MULTIPART = {
 _ERRORS = {
     400: "Invalid request",
     401: "Missing or invalid key",
+    403: "A bucket this tenant may not use, or one the object store refuses",
     404: "Not found",
     409: "Conflict",
     413: "Too large",

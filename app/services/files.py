@@ -10,7 +10,7 @@ An input line is kept as uploaded, so downloading the file gives back the same b
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime, timedelta
 from typing import IO, Any
 
@@ -245,12 +245,33 @@ class FileService:
         if "\x00" in filename:
             raise InvalidRequest("the file name holds a NUL character (U+0000)", param="file")
         expiry = parse_model(FileUploadOptions, options or {}).expires_after
+        lines = bounded_lines(stream, self._settings.max_line_bytes)
+        return self.store_lines(
+            principal, lines, filename, purpose, expires_in=expiry.seconds if expiry else None
+        )
+
+    def store_lines(
+        self,
+        principal: Principal,
+        raw_lines: Iterable[bytes],
+        filename: str,
+        purpose: str = FilePurpose.BATCH.value,
+        *,
+        expires_in: int | None = None,
+    ) -> FileObject:
+        """Check and store an input file given as its lines (each at most
+        LLMQ_MAX_LINE_BYTES, as `bounded_lines` yields them), consumed one at a time.
+
+        Raises:
+            UploadRejected: bad lines, every one reported with its number; nothing stored.
+            PayloadTooLarge: over the byte or line limit.
+        """
         checker = LineChecker(
             self._policy, completion_policy=self._completion_policy, max_depth=self._settings.max_json_depth
         )
         file_id = new_id("file")
         created = datetime.now(UTC)
-        expires = created + timedelta(seconds=expiry.seconds) if expiry else None
+        expires = created + timedelta(seconds=expires_in) if expires_in is not None else None
         errors: list[BatchLineError] = []
         total = lines = 0
         raw_conn: Any = self._db.engine.raw_connection()
@@ -265,9 +286,7 @@ class FileService:
                 with conn.cursor().copy(
                     "COPY file_lines (file_id, line_no, custom_id, raw, tokens) FROM STDIN"
                 ) as copy:
-                    for number, raw in enumerate(
-                        bounded_lines(stream, self._settings.max_line_bytes), start=1
-                    ):
+                    for number, raw in enumerate(raw_lines, start=1):
                         total += len(raw)
                         if total > self._settings.max_upload_bytes:
                             raise PayloadTooLarge(f"the file is over {self._settings.max_upload_bytes} bytes")
