@@ -15,8 +15,8 @@ class TextLogprobsDict(TypedDict):
     """`Logprobs`: per token its text, logprob, alternatives and offset in the choice's text."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 
@@ -53,20 +53,38 @@ def text_logprobs(entries: list[dict[str, Any]], start_offset: int) -> TextLogpr
     `text_offset` counts characters from the start of the choice's text (`start_offset`
     is where these tokens begin: the echoed prompt's length, or the text streamed so far).
     `top_logprobs` holds the sampled token first, then the alternatives, as vLLM's server
-    answers (so `logprobs: 0` still names the sampled token)."""
+    answers (so `logprobs: 0` still names the sampled token). An echoed prompt's first
+    token has no logprob (nothing precedes it): null in both lists, as OpenAI's."""
     out: TextLogprobsDict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     offset = start_offset
     for entry in entries:
         token = str(entry["token"])
         out["tokens"].append(token)
-        out["token_logprobs"].append(float(entry["logprob"]))
-        top = {token: float(entry["logprob"])}
-        for alt in entry.get("top_logprobs") or []:
-            top.setdefault(str(alt["token"]), float(alt["logprob"]))
-        out["top_logprobs"].append(top)
+        if entry["logprob"] is None:
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+        else:
+            out["token_logprobs"].append(float(entry["logprob"]))
+            top = {token: float(entry["logprob"])}
+            for alt in entry.get("top_logprobs") or []:
+                top.setdefault(str(alt["token"]), float(alt["logprob"]))
+            out["top_logprobs"].append(top)
         out["text_offset"].append(offset)
         offset += len(token)
     return out
+
+
+def prompt_entries(entries: list[Any]) -> list[dict[str, Any]]:
+    """The engine's prompt logprobs (`token`, `logprob`, `top` pairs) as the entries
+    `text_logprobs` reads."""
+    return [
+        {
+            "token": e.token,
+            "logprob": e.logprob,
+            "top_logprobs": [{"token": t, "logprob": p} for t, p in e.top],
+        }
+        for e in entries
+    ]
 
 
 def text_completion(

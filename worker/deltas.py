@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 from app.completions import ChunkChoiceDict, ChunkHeader, chunk
 from app.events import END_EVENT
-from app.text_completions import TextChoiceDict, text_chunk, text_logprobs
+from app.text_completions import TextChoiceDict, prompt_entries, text_chunk, text_logprobs
 from worker.engine import ChoiceDelta, EngineUpdate
 from worker.response import aborted_as, logprob_entry
 
@@ -75,6 +75,8 @@ class JobStream:
         self._pending = [_Pending() for _ in range(n)]
         # Characters each choice has streamed (text completions' logprob `text_offset`).
         self._offsets = [0] * n
+        # An echoed prompt's token logprobs, sent ahead of each choice's first tokens.
+        self._prompt_logprobs: list[dict[str, Any]] | None = None
         self.shape = shape or StreamShape()
         self._seq = 0
         self._buffered_tokens = 0
@@ -95,6 +97,8 @@ class JobStream:
     def add(self, update: EngineUpdate) -> None:
         if self.shape.mode == "buffered":
             return
+        if update.prompt_logprobs is not None and self.shape.text and self.shape.logprobs:
+            self._prompt_logprobs = prompt_entries(update.prompt_logprobs)
         for delta in update.deltas:
             self._take(delta)
         now = time.monotonic()
@@ -177,9 +181,13 @@ class JobStream:
                 continue
             text = (self.shape.echo if not pending.started else "") + "".join(pending.text)
             logprobs = None
-            if self.shape.logprobs and pending.logprobs:
-                start = self._offsets[index] + (len(self.shape.echo) if not pending.started else 0)
-                logprobs = text_logprobs(pending.logprobs, start)
+            lead = self._prompt_logprobs if not pending.started and self._prompt_logprobs else None
+            if self.shape.logprobs and (pending.logprobs or lead):
+                if lead is not None:
+                    logprobs = text_logprobs(lead + pending.logprobs, self._offsets[index])
+                else:
+                    start = self._offsets[index] + (len(self.shape.echo) if not pending.started else 0)
+                    logprobs = text_logprobs(pending.logprobs, start)
             self._offsets[index] += len(text)
             choices.append(
                 {"index": index, "text": text, "logprobs": logprobs, "finish_reason": pending.finish_reason}

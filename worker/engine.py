@@ -53,6 +53,15 @@ class TokenLogprob:
 
 
 @dataclass
+class PromptLogprob:
+    """One prompt token: its text, its logprob (None for the first) and alternatives."""
+
+    token: str
+    logprob: float | None
+    top: list[tuple[str, float]] = field(default_factory=list)
+
+
+@dataclass
 class ChoiceDelta:
     """New output of one choice since the previous update."""
 
@@ -70,6 +79,9 @@ class EngineUpdate:
     prompt_tokens: int
     cached_tokens: int
     finished: bool
+    # Per prompt token, when `prompt_logprobs` was asked for (the first update only); the
+    # first token has no logprob (nothing precedes it): its entry's logprob is None.
+    prompt_logprobs: list[PromptLogprob] | None = None
 
 
 class Engine(Protocol):
@@ -152,6 +164,15 @@ class InstantEngine:
                 )
                 return
             last = step == limit - 1
+            asked = spec.sampling.get("prompt_logprobs")
+            prompt_logprobs = (
+                [
+                    PromptLogprob(chr(t % 256), None if i == 0 else -1.0)
+                    for i, t in enumerate(spec.prompt_token_ids)
+                ]
+                if asked is not None and step == 0
+                else None
+            )
             yield EngineUpdate(
                 [
                     ChoiceDelta(
@@ -165,6 +186,7 @@ class InstantEngine:
                 prompt,
                 0,
                 last,
+                prompt_logprobs,
             )
 
     async def abort(self, request_id: str) -> None:

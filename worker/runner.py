@@ -22,7 +22,7 @@ from app.domain.tools import call_id
 from app.errors import InvalidRequest, LlmqError, error_body
 from app.schemas.chat import ChatCompletionV2Request
 from app.services.contract import ConstraintChecker
-from app.text_completions import text_completion_id
+from app.text_completions import prompt_entries, text_completion_id
 from worker.deltas import JobStream, StreamShape
 from worker.engine import Engine, EngineDead, EngineUpdate, PromptTooLong, RequestRejected
 from worker.loop import LoopThread
@@ -88,9 +88,13 @@ class Outcome:
         self.first_token: float | None = None
         self.last_token: float | None = None
         self.error: BaseException | None = None
+        # An echoed prompt's tokens and logprobs (text completions with `echo` and `logprobs`).
+        self.prompt_logprobs: list[dict[str, Any]] | None = None
 
     def add(self, update: EngineUpdate) -> None:
         now = time.monotonic()
+        if update.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = prompt_entries(update.prompt_logprobs)
         self.prompt_tokens = update.prompt_tokens
         self.cached_tokens = update.cached_tokens
         for delta in update.deltas:
@@ -424,7 +428,12 @@ class JobRunner:
                 claim.job_id,
                 int(claim.created_at.timestamp()),
                 claim.model,
-                text_choices(outcome.choices, echo=tr.echo, logprobs=tr.logprobs),
+                text_choices(
+                    outcome.choices,
+                    echo=tr.echo,
+                    logprobs=tr.logprobs,
+                    prompt_logprobs=outcome.prompt_logprobs,
+                ),
                 usage,
                 system_fingerprint=self._config.system_fingerprint,
             )

@@ -55,14 +55,25 @@ def translate_completion(
     )
 
 
-def text_choices(choices: list[ChoiceState], *, echo: str, logprobs: bool) -> list[TextChoiceDict]:
-    """Each choice's text (the echoed prompt first) and legacy logprobs; an aborted choice
-    reports `error`, as chat's do (worker/response.py's ABORTED)."""
+def text_choices(
+    choices: list[ChoiceState],
+    *,
+    echo: str,
+    logprobs: bool,
+    prompt_logprobs: list[dict[str, Any]] | None = None,
+) -> list[TextChoiceDict]:
+    """Each choice's text (the echoed prompt first) and legacy logprobs (the echoed
+    prompt's tokens first, when the engine gave them); an aborted choice reports `error`,
+    as chat's do (worker/response.py's ABORTED)."""
+    if prompt_logprobs is not None:
+        lead, start = prompt_logprobs, 0
+    else:
+        lead, start = [], len(echo)
     return [
         {
             "index": c.index,
             "text": echo + c.text,
-            "logprobs": text_logprobs(c.logprobs, len(echo)) if logprobs else None,
+            "logprobs": text_logprobs(lead + c.logprobs, start) if logprobs else None,
             "finish_reason": aborted_as(c.finish_reason),
         }
         for c in choices

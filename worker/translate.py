@@ -86,8 +86,11 @@ def sampling_kwargs(
         kw["logit_bias"] = {int(token): float(bias) for token, bias in req.logit_bias.items()}
     if isinstance(req, CompletionRequest):
         if req.logprobs is not None:
-            # A text completion's `logprobs` is the number of alternatives per token.
+            # A text completion's `logprobs` is the number of alternatives per token;
+            # with `echo`, the prompt's tokens get theirs too (as vLLM's server does).
             kw["logprobs"] = req.logprobs
+            if req.echo:
+                kw["prompt_logprobs"] = req.logprobs
     elif req.logprobs:
         # The sampled token's logprob always comes back; `top_logprobs` adds alternatives.
         kw["logprobs"] = req.top_logprobs or 0

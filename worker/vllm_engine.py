@@ -22,6 +22,7 @@ from worker.engine import (
     EngineDead,
     EngineUpdate,
     GenerationSpec,
+    PromptLogprob,
     PromptTooLong,
     RequestRejected,
     TokenLogprob,
@@ -118,6 +119,7 @@ class VllmEngine:
                     prompt_tokens=len(out.prompt_token_ids or spec.prompt_token_ids),
                     cached_tokens=int(out.num_cached_tokens or 0),
                     finished=bool(out.finished),
+                    prompt_logprobs=self._prompt_logprobs(out, spec.prompt_token_ids, params.prompt_logprobs),
                 )
         except EngineDeadError as exc:
             raise EngineDead(str(exc)) from exc
@@ -163,6 +165,32 @@ class VllmEngine:
 
     def tokenizer(self) -> Any:
         return self._llm.get_tokenizer()
+
+    def _prompt_logprobs(
+        self, out: Any, prompt_ids: list[int], top: int | None
+    ) -> list[PromptLogprob] | None:
+        """The prompt's tokens with their logprobs (`echo` with `logprobs`), from the first
+        output that carries them: vLLM gives None for the first position."""
+        positions = getattr(out, "prompt_logprobs", None)
+        if top is None or not positions:
+            return None
+        tokenizer = self._llm.get_tokenizer()
+        entries = []
+        for token_id, position in zip(prompt_ids, positions, strict=False):
+            chosen = position.get(token_id) if position else None
+            text = (chosen.decoded_token if chosen else None) or tokenizer.decode([token_id])
+            ranked = sorted(
+                (position or {}).items(), key=lambda kv: kv[1].rank if kv[1].rank is not None else 0
+            )
+            alternatives = [(t, lp) for t, lp in ranked if lp.rank is not None and lp.rank <= top][:top]
+            entries.append(
+                PromptLogprob(
+                    token=str(text),
+                    logprob=max(float(chosen.logprob), -9999.0) if chosen else None,
+                    top=[(lp.decoded_token or "", max(float(lp.logprob), -9999.0)) for _, lp in alternatives],
+                )
+            )
+        return entries
 
     def _token_bytes(self, token_id: int, decoded: str) -> list[int]:
         """A token's own bytes: byte-level BPE vocabularies spell bytes as characters

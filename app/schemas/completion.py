@@ -133,8 +133,8 @@ class TextLogprobs(WireModel):
     """openai-python's `completion_choice.Logprobs`."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 

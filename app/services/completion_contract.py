@@ -31,7 +31,8 @@ NEUTRAL = {"use_beam_search": False, "length_penalty": 1.0}
 
 REFUSED: dict[str, str] = {
     # vLLM's OpenAI server answers "suffix is not currently supported" (serving_completion).
-    "suffix": "vLLM's completions path does not support it (no fill-in-the-middle prompt is built)",
+    "suffix": "llmq builds no fill-in-the-middle prompt (vLLM's server offers `suffix` only for "
+    "models with their own FIM rendering)",
     "use_beam_search": "beam search is not available through vLLM 0.32's AsyncLLM",
     "length_penalty": "it applies to beam search, which vLLM 0.32's AsyncLLM does not offer",
     "guided_whitespace_pattern": "vLLM 0.32 ignores a per-request whitespace pattern; whitespace in "
@@ -113,12 +114,6 @@ class CompletionPolicy:
                 f"`best_of` {req.best_of} with `n` {n}: vLLM 0.32 generates exactly `n` sequences "
                 "(best_of was removed); send best_of equal to n or leave it out",
                 param="best_of",
-            )
-        if req.echo and req.logprobs is not None:
-            raise Unsupported(
-                "`echo` with `logprobs` asks for the prompt's logprobs, which this engine path does "
-                "not return; send one or the other",
-                param="echo",
             )
         check_logit_bias(req.logit_bias, vocab)
         check_token_ids(req.stop_token_ids, vocab, "stop_token_ids")

@@ -66,7 +66,6 @@ def job_kinds(services, tenant: str) -> list[str]:  # type: ignore[no-untyped-de
         ({"suffix": "!"}, "suffix"),
         ({"prompt": ["one", "two"]}, "prompt"),
         ({"prompt": ""}, "prompt"),
-        ({"echo": True, "logprobs": 2}, "echo"),
         ({"logprobs": 21}, "logprobs"),
         ({"messages": [{"role": "user", "content": "x"}]}, "messages"),
         ({"max_tokens": 0}, "max_tokens"),

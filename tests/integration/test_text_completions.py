@@ -69,6 +69,15 @@ def test_echo_token_prompts_and_stop(stack: Stack) -> None:
         model=stack.model, prompt=PROMPT, max_tokens=3, echo=True, temperature=0
     )
     assert echoed.choices[0].text.startswith(PROMPT)
+    scored = client.completions.create(
+        model=stack.model, prompt=PROMPT, max_tokens=3, echo=True, logprobs=1, temperature=0
+    )
+    lp = scored.choices[0].logprobs
+    assert scored.usage and lp is not None and lp.tokens and lp.token_logprobs and lp.text_offset
+    assert len(lp.tokens) == scored.usage.prompt_tokens + scored.usage.completion_tokens
+    # Nothing precedes the first prompt token: null, as OpenAI's API and vLLM's server answer.
+    assert lp.token_logprobs[0] is None and all(p is not None for p in lp.token_logprobs[1:])
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
     ids = client.completions.create(model=stack.model, prompt=[[5, 6, 7, 8]], max_tokens=3, temperature=0)
     assert ids.usage and ids.usage.prompt_tokens == 4
     full = client.completions.create(model=stack.model, prompt=PROMPT, max_tokens=30, temperature=0)

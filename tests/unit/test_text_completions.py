@@ -122,6 +122,25 @@ def test_logprobs_have_openais_legacy_shape_with_offsets(loop: LoopThread) -> No
     assert offsets == [0, 4, 9]  # a stream's offsets continue across its chunks
 
 
+def test_echo_with_logprobs_puts_the_prompts_tokens_first(loop: LoopThread) -> None:
+    job, streams = run_completion_with(
+        loop, LogprobEngine(), {"prompt": "ab", "echo": True, "logprobs": 1, "max_tokens": 2}
+    )
+    choice = job["response"]["choices"][0]
+    assert choice["text"] == "abtok0 tok1"
+    lp = choice["logprobs"]
+    assert lp["tokens"] == ["a", "b", "tok0", " tok1"]
+    assert lp["token_logprobs"] == [None, -1.0, -0.25, -0.25]  # nothing precedes the first token
+    assert lp["top_logprobs"][0] is None and lp["top_logprobs"][1] == {"b": -1.0}
+    assert lp["text_offset"] == [0, 1, 2, 6]
+    # openai-python types token_logprobs as floats; the API (and vLLM) send null first, which
+    # the SDK reads without validating.
+    assert TextCompletion.model_validate(job["response"]).choices[0].text == "abtok0 tok1"
+    first = next(e["data"] for e in streams.shipped["job_1"] if e.get("type") == "chunk")
+    assert first["choices"][0]["logprobs"]["tokens"][:3] == ["a", "b", "tok0"]
+    assert first["choices"][0]["logprobs"]["text_offset"][:3] == [0, 1, 2]
+
+
 def test_a_prompt_over_the_context_fails_naming_prompt(loop: LoopThread) -> None:
     job, _ = run_completion(loop, {"prompt": "x" * 60}, context=50)
     assert job["status"] == "failed"
@@ -151,7 +170,6 @@ def check(**fields: Any) -> None:
         ({"prompt": [[1], [2]]}, Unsupported, "prompt"),
         ({"prompt": ""}, InvalidRequest, "prompt"),
         ({"prompt": [1, 2, 300]}, InvalidRequest, "prompt"),
-        ({"echo": True, "logprobs": 1}, Unsupported, "echo"),
         ({"best_of": 3, "n": 2}, Unsupported, "best_of"),
         ({"n": 9}, InvalidRequest, "n"),
         ({"max_tokens": 101}, InvalidRequest, "max_tokens"),
@@ -177,6 +195,7 @@ def test_what_the_engine_cannot_honour_is_a_400_naming_the_field(
 def test_what_it_honours_passes() -> None:
     check(prompt=["one prompt in a list"], n=2, best_of=2, logprobs=5, stop=["\n"], max_tokens=20)
     check(prompt=[1, 2, 3], echo=True, use_beam_search=False, length_penalty=1.0, guided_choice=["a", "b"])
+    check(echo=True, logprobs=2)
     check(stream=True, stream_options={"include_usage": True})
 
 
