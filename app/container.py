@@ -30,6 +30,7 @@ from app.services.results import ResultsService
 from app.services.sandbox import ConstraintSandbox
 from app.services.slots import StreamSlots
 from app.services.streaming import KeyWatch, StreamService
+from app.services.throughput import ThroughputService
 from app.services.tokenizers import PromptCounters
 from app.services.webhooks import WebhookService
 from app.settings import Settings
@@ -62,6 +63,7 @@ class Services:
     auth_failures: RateLimiter
     webhooks: WebhookService
     models: ModelRegistry
+    throughput: ThroughputService
     constraints: ConstraintSandbox | None = None
     tokenizers: PromptCounters | None = None
 
@@ -188,5 +190,6 @@ def build_services(settings: Settings) -> Services:
             max_endpoints_per_tenant=settings.webhook_max_endpoints_per_tenant,
         ),
         models=models,
+        throughput=ThroughputService(db),
         tokenizers=tokenizers,
     )

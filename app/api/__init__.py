@@ -18,7 +18,7 @@ def create_app(settings: Settings | None = None, *, services: Services | None = 
     Raises:
         TypeError: both `settings` and `services` were given.
     """
-    from app.api import batches, chat, errors, files, health, jobs, models, openapi, webhooks
+    from app.api import batches, chat, console, errors, files, health, jobs, models, openapi, webhooks
     from app.api.access import AccessLog
     from app.logs import configure_logging
 
@@ -32,7 +32,17 @@ def create_app(settings: Settings | None = None, *, services: Services | None = 
 
     errors.register(app)
     app.before_request(_refuse_nul)
-    for blueprint in (health.bp, jobs.bp, chat.bp, files.bp, batches.bp, models.bp, webhooks.bp, openapi.bp):
+    for blueprint in (
+        health.bp,
+        jobs.bp,
+        chat.bp,
+        files.bp,
+        batches.bp,
+        models.bp,
+        webhooks.bp,
+        openapi.bp,
+        console.bp,
+    ):
         app.register_blueprint(blueprint)
     # Outermost: every response gets its X-Request-ID and an access log line.
     app.wsgi_app = AccessLog(app.wsgi_app, trusted_proxy_hops=settings.trusted_proxy_hops)  # type: ignore[method-assign]

@@ -24,7 +24,8 @@ from app.schemas.batches import (
 )
 from app.schemas.chat import ChatCompletionV2Request
 from app.schemas.completion import BenchChatCompletion, ChatCompletion, ChatCompletionChunk, RecordedStream
-from app.schemas.jobs import ErrorResponse, JobList, JobObject, ModelList
+from app.schemas.jobs import ErrorResponse, JobList, JobObject, JobRequest, ModelList
+from app.schemas.throughput import Throughput
 from app.schemas.webhooks import (
     RotateSecret,
     WebhookDeliveryList,
@@ -36,6 +37,7 @@ from app.schemas.webhooks import (
     WebhookEndpointWithSecret,
     WebhookEvent,
 )
+from app.services import throughput
 from app.services.jobs import MAX_PAGE
 from app.services.webhooks import MAX_PAGE as WEBHOOK_PAGE
 
@@ -80,6 +82,41 @@ ROUTES: list[Route] = [
     ),
     ("get", "/v2/jobs/{job_id}", "Read one job", None, {200: JobObject}, ["job_id"], []),
     ("post", "/v2/jobs/{job_id}/cancel", "Cancel a job", None, {200: JobObject}, ["job_id"], []),
+    (
+        "get",
+        "/v2/jobs/{job_id}/request",
+        "The request a job runs, as stored",
+        None,
+        {200: JobRequest},
+        ["job_id"],
+        [],
+    ),
+    (
+        "get",
+        "/v2/throughput",
+        "The tenant's ended jobs and tokens per time bucket, over a recent window",
+        None,
+        {200: Throughput},
+        [],
+        [
+            (
+                "window_seconds",
+                {
+                    "type": "integer",
+                    "minimum": throughput.MIN_BUCKET_SECONDS,
+                    "maximum": throughput.MAX_WINDOW_SECONDS,
+                },
+            ),
+            (
+                "bucket_seconds",
+                {
+                    "type": "integer",
+                    "minimum": throughput.MIN_BUCKET_SECONDS,
+                    "maximum": throughput.MAX_BUCKET_SECONDS,
+                },
+            ),
+        ],
+    ),
     (
         "get",
         "/v2/jobs/{job_id}/stream",

@@ -18,7 +18,7 @@ from app.queue import JobQueue
 from app.request_ids import current_request_id
 from app.schemas.base import unix_time
 from app.schemas.chat import ChatCompletionV2Request
-from app.schemas.jobs import JobList, JobObject
+from app.schemas.jobs import JobList, JobObject, JobRequest
 from app.services.contract import RequestPolicy
 from app.services.idempotency import IdempotencyKey, IdempotencyLocks, find_replay
 from app.services.keys import Principal
@@ -181,6 +181,16 @@ class JobService:
         """
         with self._db.session() as s:
             return to_job_object(load_owned(s, Job, job_id, principal.tenant_id))
+
+    def request_of(self, principal: Principal, job_id: str) -> JobRequest:
+        """The request the job runs (`GET /v2/jobs/<id>/request`).
+
+        Raises:
+            NotFound: no such job for this tenant.
+        """
+        with self._db.session() as s:
+            job = load_owned(s, Job, job_id, principal.tenant_id)
+            return JobRequest(id=job.id, body=job.request or None)
 
     def list(
         self,
