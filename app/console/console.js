@@ -14,6 +14,8 @@
   const STORAGE_KEY = "llmq.console.key";
   const POLL_MS = 1500;
   const CHART_MS = 10000;
+  const CHART_WIDTH = 1200; // the chart's own units (its viewBox): about its size on screen
+  const CHART_HEIGHT = 190;
   const REPLAY_MS = 25; // between events when a finished stream is replayed
   const PAGE = 20;
   const LINE_PAGE = 50;
@@ -59,6 +61,12 @@
       if (child === null || child === undefined || child === false) continue;
       node.append(child instanceof Node ? child : document.createTextNode(String(child)));
     }
+  }
+
+  /** Replaces a node's children (nulls skipped, strings as text). */
+  function fill(node, ...children) {
+    node.replaceChildren();
+    add(node, children);
   }
 
   function setText(node, value) {
@@ -222,8 +230,9 @@
 
   let viewController = null;
 
-  /** Runs `fn` now and then every `ms` until the signal aborts or `fn` returns "stop". */
-  function every(ms, signal, fn) {
+  /** Runs `fn` now and then every `ms` until the signal aborts or `fn` returns "stop". A
+   * 404 (the object is not this key's, or no longer exists) stops it and calls `gone`. */
+  function every(ms, signal, fn, gone = null) {
     let timer = null;
     const tick = async () => {
       if (signal.aborted) return;
@@ -232,6 +241,7 @@
         result = await fn();
       } catch (err) {
         report(err);
+        if (err instanceof ApiError && err.status === 404 && gone) gone(err);
         if (err instanceof ApiError && (err.status === 401 || err.status === 404)) return;
       }
       if (!signal.aborted && result !== "stop") timer = setTimeout(tick, ms);
@@ -505,7 +515,7 @@
     const chart = svg("svg", {
       class: "chart",
       id: "throughput-chart",
-      viewBox: "0 0 720 170",
+      viewBox: `0 0 ${CHART_WIDTH} ${CHART_HEIGHT}`,
       role: "img",
       "aria-label": "Output tokens per second, per minute, over the last hour",
     });
@@ -530,12 +540,12 @@
   }
 
   function drawChart(chart, t) {
-    const left = 52;
+    const left = 64;
     const right = 8;
     const top = 10;
     const bottom = 24;
-    const width = 720 - left - right;
-    const height = 170 - top - bottom;
+    const width = CHART_WIDTH - left - right;
+    const height = CHART_HEIGHT - top - bottom;
     const rates = t.data.map((b) => b.output_tokens_per_second);
     const peak = Math.max(1, ...rates);
     const step = width / Math.max(1, t.data.length);
@@ -544,8 +554,8 @@
       svg("line", { class: "axis", x1: left, y1: top, x2: left, y2: top + height }),
       svg("text", { x: left - 6, y: top + 10, "text-anchor": "end", text: fmtNumber(peak, 1) }),
       svg("text", { x: left - 6, y: top + height, "text-anchor": "end", text: "0" }),
-      svg("text", { x: left, y: 166, text: `-${Math.round((t.end - t.start) / 60)} min` }),
-      svg("text", { x: left + width, y: 166, "text-anchor": "end", text: "now" }),
+      svg("text", { x: left, y: CHART_HEIGHT - 6, text: `-${(t.data.length * t.bucket_seconds) / 60} min` }),
+      svg("text", { x: left + width, y: CHART_HEIGHT - 6, "text-anchor": "end", text: "now" }),
       svg("text", { x: 4, y: top + height / 2, text: "tok/s" }),
     ];
     t.data.forEach((b, i) => {
@@ -687,7 +697,8 @@
       const errors = ((batch.errors && batch.errors.data) || []).map((e) =>
         h("li", { text: `${e.line === null || e.line === undefined ? "" : `line ${e.line}: `}${e.code}: ${e.message}` }),
       );
-      usageSlot.replaceChildren(
+      fill(
+        usageSlot,
         facts([
           ["Input tokens", usage.input_tokens === undefined ? null : fmtNumber(usage.input_tokens)],
           ["Output tokens", usage.output_tokens === undefined ? null : fmtNumber(usage.output_tokens)],
@@ -714,7 +725,7 @@
       await refreshLines();
       // One last read after the batch ended, then the page stays as it is.
       return wasActive ? null : "stop";
-    });
+    }, () => fill(view, title, link("#/batches", "← Batches")));
   }
 
   // --- the jobs page -------------------------------------------------------------------
@@ -784,7 +795,7 @@
       if (!choices.has(index)) {
         const pre = h("pre", { class: "stream stream-text", "data-index": index });
         choices.set(index, pre);
-        out.append(choices.size > 1 ? h("h2", { text: `Choice ${index}` }) : null, pre);
+        add(out, [choices.size > 1 ? h("h2", { text: `Choice ${index}` }) : null, pre]);
       }
       return choices.get(index);
     };
@@ -885,8 +896,9 @@
     const requestPre = h("pre", { id: "job-request", text: "…" });
     const responsePre = h("pre", { id: "job-response", text: "—" });
     const errorSlot = h("p", { id: "job-error", class: "error" });
+    const title = h("h1", {}, "Job ", h("span", { class: "mono", text: id }));
     view.append(
-      h("h1", {}, "Job ", h("span", { class: "mono", text: id })),
+      title,
       h("div", { class: "toolbar" }, batchLink, status, cancel),
       h("div", { class: "columns" }, h("section", { class: "panel" }, factsSlot), h("section", { class: "panel" }, statsSlot)),
       h(
@@ -971,7 +983,7 @@
       const wasActive = lastStatus === null || JOB_ACTIVE.includes(lastStatus);
       lastStatus = job.status;
       return active || wasActive ? null : "stop";
-    });
+    }, () => fill(view, title, link("#/jobs", "← Jobs")));
   }
 
   // --- start ---------------------------------------------------------------------------

@@ -24,7 +24,11 @@ from typing import Any
 import httpx
 import pytest
 from selenium import webdriver
-from selenium.common.exceptions import NoAlertPresentException, StaleElementReferenceException
+from selenium.common.exceptions import (
+    NoAlertPresentException,
+    NoSuchElementException,
+    StaleElementReferenceException,
+)
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
@@ -89,7 +93,7 @@ def until(check: Callable[[], Any], timeout: float = 30, what: str = "") -> Any:
             value = check()
             if value:
                 return value
-        except StaleElementReferenceException as exc:  # the console re-rendered under us
+        except (NoSuchElementException, StaleElementReferenceException) as exc:  # not drawn yet, or redrawn
             last = exc
         time.sleep(0.05)
     raise TimeoutError(f"timed out waiting for {what or check}" + (f" (last: {last})" if last else ""))
@@ -367,6 +371,8 @@ def test_tenant_b_sees_none_of_tenant_a(browser: WebDriver, stack: Stack, servic
         browser.get(f"{stack.url}/console/{fragment}")
         notice = until(lambda: text(browser, "#notice"), 15, "the not-found notice")
         assert "no" in notice.lower() and ("batch" in notice.lower() or "job" in notice.lower()), notice
+        # Only the id asked for, the notice and a way back: no panel of A's object.
+        until(lambda: not browser.find_elements(By.CSS_SELECTOR, "#view .panel"), 10, "the empty page")
         source = browser.page_source
         assert "secret-of-a" not in source and "say something" not in source
     shot(browser, "13-tenant-b-on-a-batch")
