@@ -40,6 +40,11 @@ pytestmark = pytest.mark.integration
 
 ARTIFACTS = Path(os.environ.get("LLMQ_TEST_ARTIFACTS", str(ROOT / "test-artifacts"))) / "console"
 
+# The watched batch's lines end one after another (line i generates 60 + 40 i tokens), over
+# a few seconds on two CPU cores: several of the console's refreshes see it part done.
+WATCHED = [60 + 40 * i for i in range(24)]
+STREAMED = 1500  # tokens of the job whose stream is watched
+
 
 # --- the browser ------------------------------------------------------------------------------
 
@@ -222,9 +227,8 @@ def test_the_console_follows_a_batch_a_line_and_a_stream(
     assert browser.execute_script("return window.localStorage.length") == 0
     assert browser.get_cookies() == []
 
-    # A batch whose lines end one after another: line i generates 40 + 12 i tokens.
     with client(stack, key) as c:
-        batch = make_batch(c, stack.model, [40 + 12 * i for i in range(24)], "watch")
+        batch = make_batch(c, stack.model, WATCHED, "watch")
     browser.get(f"{stack.url}/console/#/batches/{batch['id']}")
     percents: list[int] = []
 
@@ -268,7 +272,7 @@ def test_the_console_follows_a_batch_a_line_and_a_stream(
     until(lambda: f"watch line {number}: say something" in text(browser, "#job-request"), 15, "its request")
     until(lambda: text(browser, "#job-response").startswith("{"), 15, "its response")
     assert json.loads(css(browser, "#job-response").get_property("textContent")) == job["response"]
-    assert fact(browser, "Output tokens") == str(job["usage"]["completion_tokens"]) == str(40 + 12 * number)
+    assert fact(browser, "Output tokens") == str(job["usage"]["completion_tokens"]) == str(WATCHED[number])
     assert fact(browser, "Custom id") == job["custom_id"]
     content = job["response"]["choices"][0]["message"]["content"]
     until(lambda: text(browser, "#stream-state").startswith("replayed"), 15, "the line's stream")
@@ -282,7 +286,7 @@ def test_the_console_follows_a_batch_a_line_and_a_stream(
             json={
                 "model": stack.model,
                 "messages": [{"role": "user", "content": "Stream to the console."}],
-                "max_tokens": 1200,
+                "max_tokens": STREAMED,
                 "ignore_eos": True,
             },
         )
@@ -325,7 +329,7 @@ def test_the_console_follows_a_batch_a_line_and_a_stream(
     total = sum(
         int(r.get_attribute("data-tokens")) for r in browser.find_elements(By.CSS_SELECTOR, ".bar-rect")
     )
-    assert total == sum(40 + 12 * i for i in range(24)) + 1200
+    assert total == sum(WATCHED) + STREAMED
     shot(browser, "09-batches-and-throughput")
 
     # The key went in headers only: no request URL holds it.
@@ -333,7 +337,10 @@ def test_the_console_follows_a_batch_a_line_and_a_stream(
     assert any("/v2/jobs/" in u and u.endswith("/stream") for u in urls)
     assert not [u for u in urls if key in u]
     assert violations(browser) == []
-    print(f"console flow: {time.monotonic() - started:.1f} s; batch progress seen: {percents}")
+    print(
+        f"console flow: {time.monotonic() - started:.1f} s; batch progress seen: {percents}; "
+        f"stream lengths seen while live: {len(lengths)}"
+    )
 
 
 def test_cancel_a_batch_from_the_console(browser: WebDriver, stack: Stack, services) -> None:
