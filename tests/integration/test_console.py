@@ -180,6 +180,7 @@ def dispatch(stack: Stack) -> DispatchPlan:
         headroom=defaults["batch_dispatch_headroom"].default,
         chunk=defaults["batch_chunk_size"].default,
         cold_window=defaults["batch_cold_window"].default,
+        ceiling=defaults["batch_dispatch_window"].default,
     )
 
 
