@@ -10,6 +10,7 @@ from sqlalchemy import (
     BigInteger,
     CheckConstraint,
     DateTime,
+    Double,
     Float,
     ForeignKey,
     Index,
@@ -211,6 +212,12 @@ class Job(Base):
     finished_xid: Mapped[int | None] = mapped_column(BigInteger)
     # The X-Request-ID of the request that created the job (a batch line: its batch's).
     request_id: Mapped[str | None] = mapped_column(String(128))
+    # Seconds, written with the result by the worker that ended the job (worker/metrics.py
+    # observes the same figures): from creation to its first claim; from its submission to
+    # the engine to its first token (null without one); from creation to its end.
+    queue_wait_seconds: Mapped[float | None] = mapped_column(Double)
+    ttft_seconds: Mapped[float | None] = mapped_column(Double)
+    e2e_seconds: Mapped[float | None] = mapped_column(Double)
 
 
 class File(Base):

@@ -32,5 +32,8 @@ def gunicorn_argv(host: str, port: int, *, workers: int = 2, connections: int = 
         "120",
         "--log-level",
         "warning",
+        # Hooks for the metrics each worker process records (app/gunicorn_conf.py).
+        "--config",
+        "python:app.gunicorn_conf",
         APP,
     ]

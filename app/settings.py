@@ -340,6 +340,27 @@ class Settings(BaseSettings):
         description="How long an event is retried before its delivery is marked failed.",
     )
 
+    # Metrics (app/metrics.py, worker/metrics.py).
+    metrics_port: int = Field(
+        default=0,
+        ge=0,
+        le=65535,
+        description="A worker's /metrics port; 0 (the default): a free port the system picks, so "
+        "several workers share a host; the port is in the worker's heartbeat and on /readyz.",
+    )
+    metrics_address: str = Field(default="0.0.0.0", description="Where a worker's /metrics port listens.")
+    metrics_lease_seconds: float = Field(
+        default=60.0,
+        gt=0,
+        description="The API replica that reports cluster figures on /metrics holds a lease this long, "
+        "renewed by each scrape: keep it above Prometheus's scrape interval.",
+    )
+    metrics_replica_id: str | None = Field(
+        default=None,
+        description="This API replica's name in the cluster-figures lease; default: host name and "
+        "PROMETHEUS_MULTIPROC_DIR (or pid).",
+    )
+
     # Logging.
     log_level: str = "INFO"
     log_json: bool = False

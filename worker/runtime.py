@@ -35,6 +35,7 @@ from worker.engine import Engine, InstantEngine
 from worker.expiry import ExpiryTask
 from worker.leader import LeaseLock
 from worker.loop import LoopThread
+from worker.metrics import MetricsServer, WorkerMetrics, WorkerState
 from worker.runner import JobRunner, RunnerConfig
 from worker.stats import ResourceSampler, find_power_sensor
 from worker.store import JobStore
@@ -131,6 +132,19 @@ class WorkerRuntime:
         self.queue = JobQueue(create_producer(settings), self.liveness)
         self.loop = LoopThread()
         self.sampler = ResourceSampler(self._pids, find_power_sensor(self._pids))
+        self.metrics = WorkerMetrics(
+            WorkerState(
+                model=settings.model_name,
+                engine=engine.name,
+                engine_version=engine.version,
+                running=lambda: len(self.runner.inflight()),
+                slots=settings.inflight_limit,
+                energy=self.sampler.energy_joules if self.sampler.has_power else None,
+            )
+        )
+        self.metrics_server = MetricsServer(
+            self.metrics, port=settings.metrics_port, address=settings.metrics_address
+        )
         self.streams = StreamPublisher(self.redis)
         self.constraints = ConstraintSandbox.of(settings)
         self.runner = JobRunner(
@@ -149,6 +163,7 @@ class WorkerRuntime:
                 tool_parser=settings.tool_call_parser,
                 max_inflight=settings.inflight_limit,
                 max_request_bytes=settings.max_request_bytes,
+                observe=self.metrics.observe,
             ),
             constraints=self.constraints,
         )
@@ -241,11 +256,16 @@ class WorkerRuntime:
             "inflight": len(self.runner.inflight()),
             "capacity": self.settings.inflight_limit,
             "pid": os.getpid(),
+            "host": socket.gethostname(),
+            # Where Prometheus scrapes this worker (worker/metrics.py); None until it listens.
+            "metrics_port": self.metrics_server.port,
         }
 
     def start(self) -> None:
         """Start the engine (blocks until it can serve) and the background threads."""
         self.presence.start()  # before any job can be claimed
+        port = self.metrics_server.start()
+        log.info("metrics listening", extra={"port": port, "address": self.settings.metrics_address})
         self.loop.start()
         log.info("starting engine", extra={"engine": self.engine.name, "model": self.settings.model_name})
         self.loop.call(self.engine.start())
@@ -295,6 +315,7 @@ class WorkerRuntime:
             self.sweeper,
             self.sampler,
             self.streams,
+            self.metrics_server,
         ):
             part.stop()
         self.constraints.close()

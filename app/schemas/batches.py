@@ -9,8 +9,10 @@ from pydantic import Field
 from app.domain.metadata import JSON_SCHEMA as METADATA_SCHEMA
 from app.schemas.base import WireModel
 from app.schemas.chat import ChatCompletionV2Request
+from app.schemas.text_completion import CompletionRequest
 
-BATCH_ENDPOINTS = ("/v1/chat/completions", "/v2/chat/completions")
+TEXT_COMPLETIONS_URL = "/v1/completions"
+BATCH_ENDPOINTS = ("/v1/chat/completions", "/v2/chat/completions", TEXT_COMPLETIONS_URL)
 
 
 class BatchInputLine(WireModel):
@@ -20,6 +22,15 @@ class BatchInputLine(WireModel):
     method: Literal["POST"]
     url: str
     body: ChatCompletionV2Request
+
+
+class TextBatchInputLine(WireModel):
+    """One line of an input file for `/v1/completions`: its body is a text completion."""
+
+    custom_id: str = Field(min_length=1, max_length=512)
+    method: Literal["POST"]
+    url: Literal["/v1/completions"]
+    body: CompletionRequest
 
 
 MIN_EXPIRY_SECONDS = 3600

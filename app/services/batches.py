@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
@@ -110,14 +111,17 @@ class BatchService:
         idempotency_ttl_seconds: int = 24 * 3600,
         max_active_lines_per_tenant: int = 0,
         batch_token_budget: int = 0,
+        submitted: Callable[[str, str, int], None] | None = None,
     ) -> None:
-        """`batch_token_budget`: the default per tenant and model (app/services/budgets.py)."""
+        """`batch_token_budget`: the default per tenant and model (app/services/budgets.py).
+        `submitted(model, kind, count)` is told of the lines of each batch created (app/metrics.py)."""
         self._db = db
         self._events = events
         self._locks = locks
         self._idempotency_ttl = idempotency_ttl_seconds
         self._max_active_lines = max_active_lines_per_tenant
         self._token_budget = batch_token_budget
+        self._submitted = submitted
 
     # --- create -------------------------------------------------------------------------
 
@@ -213,7 +217,10 @@ class BatchService:
         log.info(
             "batch created", extra={"batch_id": batch.id, "lines": batch.total, "tenant": principal.tenant_id}
         )
-        return self.get(principal, batch.id)
+        created = self.get(principal, batch.id)
+        if self._submitted is not None and created.model is not None:
+            self._submitted(created.model, "batch_line", batch.total)
+        return created
 
     # --- read ---------------------------------------------------------------------------
 

@@ -6,7 +6,7 @@ scan however many jobs the table holds. Built CONCURRENTLY (outside the migratio
 transaction): the jobs table is written all the time and a plain build would block it.
 
 Revision ID: 20261201_0020
-Revises: 20261201_0015
+Revises: 20261201_0016
 Create Date: 2026-12-01 12:30:00
 """
 
@@ -18,7 +18,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "20261201_0020"
-down_revision: str | None = "20261201_0015"
+down_revision: str | None = "20261201_0016"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

@@ -18,7 +18,7 @@ from sqlalchemy import insert, text
 from app.api.console import ASSETS
 from app.ids import new_id
 from app.models import Job
-from app.schemas.jobs import JobRequest
+from app.schemas.jobs import JobRequestObject
 from app.schemas.throughput import Throughput
 from app.services.throughput import ThroughputService
 from tests.helpers import auth
@@ -119,7 +119,7 @@ def test_a_job_request_is_its_tenants_alone(client: FlaskClient, tenant_keys: di
     ).get_json()
     r = client.get(f"/v2/jobs/{job['id']}/request", headers=auth(tenant_keys["a"]))
     assert r.status_code == 200
-    body = JobRequest.model_validate(r.get_json())
+    body = JobRequestObject.model_validate(r.get_json())
     assert body.id == job["id"] and body.object == "job.request"
     assert body.body is not None and body.body["messages"][0]["content"] == secret
     assert body.body["max_tokens"] == 3
