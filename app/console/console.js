@@ -814,8 +814,9 @@
 
     const apply = (chunk) => {
       for (const choice of chunk.choices || []) {
+        // Chat chunks carry a delta; text completion chunks carry the text itself.
         const delta = choice.delta || {};
-        const piece = (delta.reasoning_content || "") + (delta.content || "");
+        const piece = (delta.reasoning_content || "") + (delta.content || "") + (choice.text || "");
         if (piece) choiceText(choice.index || 0).append(document.createTextNode(piece));
       }
       events += 1;
@@ -964,6 +965,9 @@
       const power = job.power_usage || {};
       statsSlot.replaceChildren(
         facts([
+          ["Queue wait", job.queue_wait_seconds == null ? null : `${fmtNumber(job.queue_wait_seconds, 3)} s`],
+          ["First token after", job.ttft_seconds == null ? null : `${fmtNumber(job.ttft_seconds, 3)} s`],
+          ["End to end", job.e2e_seconds == null ? null : `${fmtNumber(job.e2e_seconds, 3)} s`],
           ["Prompt tokens", usage.prompt_tokens],
           ["Output tokens", usage.completion_tokens],
           ["Total tokens", usage.total_tokens],
