@@ -66,7 +66,8 @@ def downloads(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def browser(downloads: Path) -> Iterator[WebDriver]:
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(ARTIFACTS, ignore_errors=True)  # this run's screenshots only
+    ARTIFACTS.mkdir(parents=True)
     options = webdriver.ChromeOptions()
     options.binary_location = _binary("chromium", "chromium-browser")
     # Root on a CI machine: Chromium's sandbox needs user namespaces it does not get there.
