@@ -40,6 +40,7 @@ from app.services.scale_completions import ScaleCompletionService
 from app.services.slots import StreamSlots
 from app.services.streaming import KeyWatch, StreamService
 from app.services.text_completions import TextCompletionService
+from app.services.throughput import ThroughputService
 from app.services.tokenizers import PromptCounters
 from app.services.webhooks import WebhookService
 from app.settings import Settings
@@ -75,6 +76,7 @@ class Services:
     auth_failures: RateLimiter
     webhooks: WebhookService
     models: ModelRegistry
+    throughput: ThroughputService
     constraints: ConstraintSandbox | None = None
     tokenizers: PromptCounters | None = None
     api_metrics: ApiMetrics = field(default_factory=ApiMetrics)
@@ -237,6 +239,7 @@ def build_services(settings: Settings, *, s3_client: Callable[[], Any] | None = 
             max_endpoints_per_tenant=settings.webhook_max_endpoints_per_tenant,
         ),
         models=models,
+        throughput=ThroughputService(db),
         tokenizers=tokenizers,
         api_metrics=api_metrics,
     )

@@ -4,13 +4,20 @@
 #   pooling mode);
 # - Debian's prometheus, which brings promtool (tests/integration/test_prometheus.py scrapes a
 #   running stack with a real Prometheus and lints every exposition with `promtool check
-#   metrics`).
+#   metrics`);
+# - Debian's chromium and chromium-driver (tests/integration/test_console.py drives the web
+#   console in a real, headless browser through selenium).
 # Installed only when missing, and only as root (CI runs as root on a fresh Debian machine);
 # otherwise says what to install.
 set -euo pipefail
 
 # package:program it provides
-wanted=("pgbouncer:/usr/sbin/pgbouncer" "prometheus:/usr/bin/promtool")
+wanted=(
+  "pgbouncer:/usr/sbin/pgbouncer"
+  "prometheus:/usr/bin/promtool"
+  "chromium:/usr/bin/chromium"
+  "chromium-driver:/usr/bin/chromedriver"
+)
 missing=()
 for entry in "${wanted[@]}"; do
   package=${entry%%:*}
@@ -24,8 +31,10 @@ if [ ${#missing[@]} -eq 0 ]; then
 fi
 if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
   echo "== installing ${missing[*]} (Debian packages)"
-  DEBIAN_FRONTEND=noninteractive apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  # Waits for another apt run (a parallel job on the same machine) instead of failing.
+  apt=(apt-get -o DPkg::Lock::Timeout=600 -qq)
+  DEBIAN_FRONTEND=noninteractive "${apt[@]}" update
+  DEBIAN_FRONTEND=noninteractive "${apt[@]}" install -y --no-install-recommends "${missing[@]}" >/dev/null
   # The packages may start their own services; the tests start theirs on free ports.
   exit 0
 fi

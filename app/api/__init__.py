@@ -23,6 +23,7 @@ def create_app(settings: Settings | None = None, *, services: Services | None = 
         batches,
         chat,
         completions,
+        console,
         errors,
         files,
         health,
@@ -59,6 +60,7 @@ def create_app(settings: Settings | None = None, *, services: Services | None = 
         models.bp,
         webhooks.bp,
         openapi.bp,
+        console.bp,
     ):
         app.register_blueprint(blueprint)
     # Outermost: every response gets its X-Request-ID and an access log line.

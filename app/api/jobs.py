@@ -1,4 +1,4 @@
-"""`/v2/jobs`: submit, read, list, cancel."""
+"""`/v2/jobs`: submit, read, list, cancel; `/v2/throughput`: the tenant's jobs over time."""
 
 from __future__ import annotations
 
@@ -25,13 +25,17 @@ def get_job(job_id: str) -> Response:
     return jsonify(services().jobs.get(principal(), job_id).model_dump(mode="json"))
 
 
+def _int_arg(name: str, default: int) -> int:
+    raw = request.args.get(name, str(default))
+    try:
+        return int(raw)
+    except ValueError as exc:
+        raise InvalidRequest(f"`{name}` must be an integer, got {raw!r}", param=name) from exc
+
+
 @bp.get("/v2/jobs")
 def list_jobs() -> Response:
-    raw_limit = request.args.get("limit", "20")
-    try:
-        limit = int(raw_limit)
-    except ValueError as exc:
-        raise InvalidRequest(f"`limit` must be an integer, got {raw_limit!r}", param="limit") from exc
+    limit = _int_arg("limit", 20)
     page = services().jobs.list(
         principal(),
         status=request.args.get("status"),
@@ -41,6 +45,11 @@ def list_jobs() -> Response:
         metadata=metadata_filter(request.args.items(multi=True)),
     )
     return jsonify(page.model_dump(mode="json"))
+
+
+@bp.get("/v2/jobs/<job_id>/request")
+def job_request(job_id: str) -> Response:
+    return jsonify(services().jobs.request_of(principal(), job_id).model_dump(mode="json"))
 
 
 @bp.post("/v2/jobs/<job_id>/cancel")
@@ -67,3 +76,13 @@ def stream_job(job_id: str) -> Response:
 def job_events(job_id: str) -> Response:
     """The recorded stream (seed 002's shape)."""
     return jsonify(services().streams.recorded(principal(), job_id))
+
+
+@bp.get("/v2/throughput")
+def throughput() -> Response:
+    figures = services().throughput.read(
+        principal(),
+        window_seconds=_int_arg("window_seconds", 3600),
+        bucket_seconds=_int_arg("bucket_seconds", 60),
+    )
+    return jsonify(figures.model_dump(mode="json"))

@@ -32,7 +32,7 @@ from app.schemas.completion import (
     TextCompletion,
     TextCompletionChunk,
 )
-from app.schemas.jobs import ErrorResponse, JobList, JobObject, ModelList
+from app.schemas.jobs import ErrorResponse, JobList, JobObject, JobRequestObject, ModelList
 from app.schemas.scale import (
     CompletionStreamV1Request,
     CompletionStreamV1Response,
@@ -46,6 +46,7 @@ from app.schemas.scale_batches import (
     GetBatchCompletionV2Response,
 )
 from app.schemas.text_completion import CompletionRequest
+from app.schemas.throughput import Throughput
 from app.schemas.webhooks import (
     RotateSecret,
     WebhookDeliveryList,
@@ -57,6 +58,7 @@ from app.schemas.webhooks import (
     WebhookEndpointWithSecret,
     WebhookEvent,
 )
+from app.services import throughput
 from app.services.jobs import MAX_PAGE
 from app.services.webhooks import MAX_PAGE as WEBHOOK_PAGE
 
@@ -103,6 +105,41 @@ ROUTES: list[Route] = [
     ),
     ("get", "/v2/jobs/{job_id}", "Read one job", None, {200: JobObject}, ["job_id"], []),
     ("post", "/v2/jobs/{job_id}/cancel", "Cancel a job", None, {200: JobObject}, ["job_id"], []),
+    (
+        "get",
+        "/v2/jobs/{job_id}/request",
+        "The request a job runs, as stored",
+        None,
+        {200: JobRequestObject},
+        ["job_id"],
+        [],
+    ),
+    (
+        "get",
+        "/v2/throughput",
+        "The tenant's ended jobs and tokens per time bucket, over a recent window",
+        None,
+        {200: Throughput},
+        [],
+        [
+            (
+                "window_seconds",
+                {
+                    "type": "integer",
+                    "minimum": throughput.MIN_BUCKET_SECONDS,
+                    "maximum": throughput.MAX_WINDOW_SECONDS,
+                },
+            ),
+            (
+                "bucket_seconds",
+                {
+                    "type": "integer",
+                    "minimum": throughput.MIN_BUCKET_SECONDS,
+                    "maximum": throughput.MAX_BUCKET_SECONDS,
+                },
+            ),
+        ],
+    ),
     (
         "get",
         "/v2/jobs/{job_id}/stream",

@@ -62,6 +62,15 @@ class JobObject(WireModel):
     e2e_seconds: float | None = Field(default=None, description="Seconds from the job's creation to its end.")
 
 
+class JobRequestObject(WireModel):
+    """The request a job runs, as stored (with the priority it runs at). `body` is null once
+    the request was cleared (its batch's output file expired)."""
+
+    id: str
+    object: Literal["job.request"] = "job.request"
+    body: dict[str, Any] | None
+
+
 class JobList(WireModel):
     object: Literal["list"] = "list"
     data: list[JobObject]

@@ -19,7 +19,7 @@ from app.queue import JobQueue
 from app.request_ids import current_request_id
 from app.schemas.base import unix_time
 from app.schemas.chat import ChatCompletionV2Request
-from app.schemas.jobs import JobList, JobObject
+from app.schemas.jobs import JobList, JobObject, JobRequestObject
 from app.schemas.text_completion import JobRequest
 from app.services.contract import RequestPolicy
 from app.services.idempotency import IdempotencyKey, IdempotencyLocks, find_replay
@@ -192,6 +192,16 @@ class JobService:
         """
         with self._db.session() as s:
             return to_job_object(load_owned(s, Job, job_id, principal.tenant_id))
+
+    def request_of(self, principal: Principal, job_id: str) -> JobRequestObject:
+        """The request the job runs (`GET /v2/jobs/<id>/request`).
+
+        Raises:
+            NotFound: no such job for this tenant.
+        """
+        with self._db.session() as s:
+            job = load_owned(s, Job, job_id, principal.tenant_id)
+            return JobRequestObject(id=job.id, body=job.request or None)
 
     def list(
         self,

@@ -14,7 +14,8 @@ from flask.testing import FlaskClient
 
 from tests.helpers import auth, jsonl, line, upload
 
-PUBLIC = {"/healthz", "/readyz", "/openapi.json", "/metrics"}
+# The console's files are public: they hold no data (tests/api/test_console.py).
+PUBLIC = {"/healthz", "/readyz", "/openapi.json", "/metrics", "/console/", "/console/<name>"}
 SECRET = f"tenant-a-secret-{secrets.token_hex(4)}"
 
 
