@@ -6,10 +6,12 @@ are published only after Postgres accepted the results."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
@@ -38,6 +40,9 @@ from worker.translate import Renderer, Translation, translate
 log = logging.getLogger("llmq.runner")
 
 T = TypeVar("T")
+
+# How long a line that ended waits for others of its chunk ending with it, to share one write.
+SAVE_TOGETHER_SECONDS = 0.02
 
 
 @dataclass
@@ -223,6 +228,15 @@ class JobRunner:
             raise EngineDead("engine is dead; refusing new work")
         wait = self._config.chunk_slot_wait_seconds if batch else None
         held = self._slots.take(len(job_ids), wait) if self._slots is not None else len(job_ids)
+        given = 0
+
+        def give(n: int) -> None:
+            """A line's slot goes back as soon as its result is stored, not with its chunk's."""
+            nonlocal given
+            if self._slots is not None:
+                self._slots.give(n)
+            given += n
+
         try:
             if self._draining.is_set():
                 # Shutting down (it may have waited for this slot since before): the jobs go
@@ -235,12 +249,12 @@ class JobRunner:
                 job_ids = job_ids[:held]
                 self._persist(lambda: self._store.undispatch(rest), {"jobs": len(rest)})
                 log.info("worker full; batch lines handed back to the feeder", extra={"jobs": len(rest)})
-            return self._run_claimable(job_ids) if job_ids else {}
+            return self._run_claimable(job_ids, give) if job_ids else {}
         finally:
             if self._slots is not None:
-                self._slots.give(held)
+                self._slots.give(held - given)
 
-    def _run_claimable(self, job_ids: list[str]) -> dict[str, str | None]:
+    def _run_claimable(self, job_ids: list[str], give: Callable[[int], None]) -> dict[str, str | None]:
         cfg = self._config
         claims = self._persist(
             lambda: self._store.claim_many(
@@ -262,28 +276,50 @@ class JobRunner:
         with self._lock:
             self._inflight.update(items)
         ready: list[Run] = []
+        statuses: dict[str, str | None] = {}
         try:
             runs = [self._prepare(claim, quiet, items[claim.job_id], claimed) for claim in claims]
             ready = [r for r in runs if r.tr is not None]
-            if ready:
-                self._loop.submit(self._drive_all(ready)).result()
-            for r in ready:
-                self._conclude(r)
+            statuses.update(self._end([r for r in runs if r.tr is None], give))
+            # Each line is stored as it ends (lines ending together share one write), so a
+            # short line never waits for the longest of its chunk, nor holds its slot.
+            driving = {self._loop.submit(self._drive(r)): r for r in ready}
+            while driving:
+                done, rest = concurrent.futures.wait(driving, return_when=FIRST_COMPLETED)
+                if rest:
+                    done |= concurrent.futures.wait(rest, timeout=SAVE_TOGETHER_SECONDS)[0]
+                for future in done:
+                    future.result()
+                ended = [driving.pop(future) for future in done]
+                for r in ended:
+                    self._conclude(r)
+                statuses.update(self._end(ended, give))
         finally:
             with self._lock:
                 for job_id in items:
                     self._inflight.pop(job_id, None)
-        ended = time.monotonic()
-        for r in runs:
-            if r.result is not None and not r.handed_back:
-                timings(r, ended)
-        statuses = self._save([r for r in runs if r.result is not None])
         if any(isinstance(r.outcome and r.outcome.error, EngineDead) for r in ready):
             self.engine_dead.set()
             raise EngineDead("the engine died while running jobs; they were handed back")
         if quiet:
             log.info("chunk done", extra={"jobs": len(job_ids), "claimed": len(claims), **_count(statuses)})
         return statuses
+
+    def _end(self, runs: list[Run], give: Callable[[int], None]) -> dict[str, str | None]:
+        """Out of flight, timed and stored: runs that ended; then their slots go back."""
+        if not runs:
+            return {}
+        with self._lock:
+            for r in runs:
+                self._inflight.pop(r.claim.job_id, None)
+        ended = time.monotonic()
+        for r in runs:
+            if r.result is not None and not r.handed_back:
+                timings(r, ended)
+        try:
+            return self._save([r for r in runs if r.result is not None])
+        finally:
+            give(len(runs))
 
     def _prepare(self, claim: Claim, quiet: bool, item: Inflight, claimed: float) -> Run:
         job_id = claim.job_id
@@ -332,9 +368,6 @@ class JobRunner:
         run.item = item
         run.outcome = Outcome(run.tr.spec.n)
         return run
-
-    async def _drive_all(self, runs: list[Run]) -> None:
-        await asyncio.gather(*(self._drive(r) for r in runs))
 
     async def _drive(self, run: Run) -> None:
         assert run.tr is not None and run.outcome is not None and run.item is not None
