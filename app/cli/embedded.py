@@ -106,6 +106,7 @@ class Server:
     proc: subprocess.Popen[bytes]
     url: str
     stop_signal: int
+    log_path: Path | None = None
 
     def stop(self, timeout: float = 30.0) -> int | None:
         if self.proc.poll() is None:
@@ -260,7 +261,13 @@ def pg_start(
         raise TimeoutError("postgres did not become ready")
     _pg_ensure_db(port, database)
     # SIGINT is Postgres's fast shutdown; SIGTERM would wait for every client to leave.
-    return Server("postgres", proc, f"postgresql://postgres@127.0.0.1:{port}/{database}", signal.SIGINT)
+    return Server(
+        "postgres",
+        proc,
+        f"postgresql://postgres@127.0.0.1:{port}/{database}",
+        signal.SIGINT,
+        pgdata / "server.log",
+    )
 
 
 def _pg_ensure_db(port: int, database: str) -> None:
@@ -325,7 +332,9 @@ def redis_start(datadir: Path, port: int, timeout: float = 30.0, *, persistent: 
             ).info("server")
             # Another Redis on this port would answer PING too; check it is ours.
             if info.get("process_id") == proc.pid:
-                return Server("redis", proc, f"redis://127.0.0.1:{port}/0", signal.SIGTERM)
+                return Server(
+                    "redis", proc, f"redis://127.0.0.1:{port}/0", signal.SIGTERM, datadir / "redis.log"
+                )
         except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError):
             pass
         time.sleep(0.05)
