@@ -340,9 +340,13 @@ class Settings(BaseSettings):
         description="How long an event is retried before its delivery is marked failed.",
     )
 
-    # Logging.
+    # Logging and tracing.
     log_level: str = "INFO"
     log_json: bool = False
+    otel: bool = Field(
+        default=False,
+        description="OpenTelemetry traces (needs the `otel` extra); exporters from the OTEL_* variables.",
+    )
 
     # `llmq up`, `llmq api` and the CLI client.
     port: int = Field(

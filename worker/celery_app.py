@@ -10,6 +10,7 @@ from typing import Any
 from celery import Celery, signals
 from kombu import Queue
 
+from app import tracing
 from app.logs import configure_logging
 from app.queue import celery_config, queue_name
 from app.settings import Settings
@@ -22,6 +23,8 @@ log = logging.getLogger("llmq.worker")
 
 def create_celery(settings: Settings) -> Celery:
     survive_broker_loss()
+    # Before the runtime creates its database engine (SQLAlchemy is instrumented then).
+    tracing.setup(settings, service="llmq-worker")
     app = Celery("llmq-worker")
     app.conf.update(celery_config(settings))
     app.conf.update(

@@ -15,6 +15,7 @@ from typing import Any, TypeVar, cast
 
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError, SQLAlchemyError
 
+from app import tracing
 from app.completions import chunk_header
 from app.completions import usage as completion_usage
 from app.domain.status import JobStatus
@@ -124,6 +125,7 @@ class Run:
     result: Result | None = None
     handed_back: bool = False
     constraint_key: str | None = None  # set when the job has a structured-output constraint
+    span: tracing.Span | None = None  # the job's time in the engine, when traced
 
 
 class JobRunner:
@@ -252,6 +254,18 @@ class JobRunner:
         try:
             runs = [self._prepare(claim, quiet, items[claim.job_id]) for claim in claims]
             ready = [r for r in runs if r.tr is not None]
+            for r in ready:
+                # Started on this (the task's) thread, so it continues the task's trace.
+                r.span = tracing.start_span(
+                    tracing.ENGINE_SPAN,
+                    {
+                        "llmq.job_id": r.claim.job_id,
+                        "llmq.epoch": r.claim.epoch,
+                        "llmq.batch_id": r.claim.batch_id,
+                        "llmq.request_id": r.claim.request_id,
+                        "llmq.model": r.claim.model,
+                    },
+                )
             if ready:
                 self._loop.submit(self._drive_all(ready)).result()
             for r in ready:
@@ -337,6 +351,9 @@ class JobRunner:
             outcome.error = exc
         except Exception as exc:  # noqa: BLE001 - kept per job, judged in _conclude
             outcome.error = exc
+        finally:
+            if run.span is not None:
+                run.span.end(outcome.error)
 
     def _conclude(self, run: Run) -> None:
         """Turn what happened to one run into the result to write (or none)."""

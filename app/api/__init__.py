@@ -18,6 +18,7 @@ def create_app(settings: Settings | None = None, *, services: Services | None = 
     Raises:
         TypeError: both `settings` and `services` were given.
     """
+    from app import tracing
     from app.api import batches, chat, errors, files, health, jobs, models, openapi, webhooks
     from app.api.access import AccessLog
     from app.logs import configure_logging
@@ -26,6 +27,8 @@ def create_app(settings: Settings | None = None, *, services: Services | None = 
         raise TypeError("create_app takes settings or services, not both: services carry their own settings")
     settings = services.settings if services is not None else settings or Settings()
     configure_logging(settings)
+    # Before the services: SQLAlchemy is instrumented when their engine is created.
+    tracing.setup(settings, service="llmq-api")
     app = Flask("llmq")
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.extensions["llmq"] = services or build_services(settings)
@@ -34,6 +37,7 @@ def create_app(settings: Settings | None = None, *, services: Services | None = 
     app.before_request(_refuse_nul)
     for blueprint in (health.bp, jobs.bp, chat.bp, files.bp, batches.bp, models.bp, webhooks.bp, openapi.bp):
         app.register_blueprint(blueprint)
+    tracing.instrument_app(app)
     # Outermost: every response gets its X-Request-ID and an access log line.
     app.wsgi_app = AccessLog(app.wsgi_app, trusted_proxy_hops=settings.trusted_proxy_hops)  # type: ignore[method-assign]
     return app
