@@ -247,7 +247,10 @@ class Stack:
                     continue
                 if name not in restart_at:
                     delay = self._backoff[name].exited()
-                    print(f"{name} exited with {proc.returncode}; restarting in {delay:.0f}s", flush=True)
+                    where = "" if self.verbose else f" (its log: {self.log_files()[name]})"
+                    print(
+                        f"{name} exited with {proc.returncode}; restarting in {delay:.0f}s{where}", flush=True
+                    )
                     restart_at[name] = time.monotonic() + delay
                 elif time.monotonic() >= restart_at[name]:
                     del restart_at[name]
