@@ -406,8 +406,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument(
             "--verbose",
             action="store_true",
-            help="show the API's, the worker's (Celery, vLLM) and llmq's logs here instead of in "
-            "DATA_DIR/logs/",
+            help="show every component's logs here (the API's, the worker's with Celery's and vLLM's, "
+            "the embedded Postgres's and Redis's, llmq's) instead of in files under the data dir",
         )
 
     up = sub.add_parser(

@@ -80,8 +80,8 @@ class Stack:
     ) -> None:
         self.settings = settings
         # Quiet by default: each component writes to its own file under `log_dir` (the
-        # embedded Postgres and Redis in their own data folders); `verbose` leaves the
-        # worker's and the API's output on this terminal instead.
+        # embedded Postgres and Redis in their own data folders); `verbose` leaves every
+        # component's output on this terminal instead.
         self.verbose = verbose
         self._extra_env = dict(child_env or {})
         self.host = host
@@ -106,14 +106,20 @@ class Stack:
         database_url = self.settings.database_url
         if not database_url:
             port = free_port(self.settings.embedded_pg_port)
-            pg = pg_start(self.data_dir / "postgres", port, "llmq", os_user=self.settings.embedded_pg_os_user)
+            pg = pg_start(
+                self.data_dir / "postgres",
+                port,
+                "llmq",
+                os_user=self.settings.embedded_pg_os_user,
+                terminal=self.verbose,
+            )
             self.servers.append(pg)
             database_url = pg.url
             log.info("embedded postgres up", extra={"url": pg.url})
         redis_url = self.settings.redis_url
         if not redis_url:
             port = free_port(self.settings.embedded_redis_port)
-            rd = redis_start(self.data_dir / "redis", port)
+            rd = redis_start(self.data_dir / "redis", port, terminal=self.verbose)
             self.servers.append(rd)
             redis_url = rd.url
             log.info("embedded redis up", extra={"url": rd.url})
