@@ -70,7 +70,11 @@ def demo(tiny_model: Path) -> Iterator[DemoRun]:
     port = free_port(18900 + secrets.randbelow(100))
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "app.cli.main", "demo", "--port", str(port), "--data-dir", str(data)],
+            # Past --ready-timeout `llmq up` gives up and prints the end of the worker's log.
+            [
+                *(sys.executable, "-m", "app.cli.main", "demo", "--port", str(port)),
+                *("--data-dir", str(data), "--ready-timeout", "300"),
+            ],
             cwd=ROOT,
             env=env,
             stdin=subprocess.DEVNULL,
