@@ -36,5 +36,8 @@ def gunicorn_argv(host: str, port: int, *, workers: int = 2, connections: int = 
         "warning",
         "--logger-class",
         LOGGER_CLASS,
+        # Hooks for the metrics each worker process records (app/gunicorn_conf.py).
+        "--config",
+        "python:app.gunicorn_conf",
         APP,
     ]

@@ -11,6 +11,9 @@ from worker.stdio import capture_output
 
 
 def main(argv: list[str] | None = None) -> None:
+    # One process serves this worker's metrics from its own registry (worker/metrics.py):
+    # a multiprocess folder meant for the API must not divert them (vLLM would read it too).
+    os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
     settings = Settings()
     if settings.log_json:
         # What bypasses logging (C++ warnings, progress bars, prints) becomes JSON too.

@@ -93,7 +93,10 @@ class KeyService:
         Unauthorized: no key, unknown key or revoked key (the same message for each).
         """
         if not key:
-            raise Unauthorized("missing API key: send 'Authorization: Bearer <key>'")
+            raise Unauthorized(
+                "missing API key: send 'Authorization: Bearer <key>', "
+                "or HTTP Basic with the key as the user name"
+            )
         with self._db.session() as s:
             row = s.execute(
                 select(ApiKey.id, ApiKey.tenant_id, Tenant.priority_min, Tenant.priority_max)
