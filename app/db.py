@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from sqlalchemy import Engine, create_engine
+import sqlalchemy
+from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.connections import PoolSize
@@ -38,7 +39,9 @@ def create_db_engine(
     # callers retry (see worker.runner.JobRunner._persist).
     # hide_parameters: a database error's text would otherwise carry the bound values
     # (a job's request with its prompt, a result, a key's prefix) into whatever logs it.
-    return create_engine(
+    # Looked up on the module at each call: with LLMQ_OTEL, OpenTelemetry's SQLAlchemy
+    # instrumentation wraps `sqlalchemy.create_engine` after this module was imported.
+    return sqlalchemy.create_engine(
         normalize_url(url),
         hide_parameters=True,
         pool_size=pool.pool,

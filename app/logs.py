@@ -12,12 +12,17 @@ or authenticated here).
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import logging
+import logging.config
 import os
 import re
-import sys
+import tempfile
 import threading
+from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 from app.request_ids import RequestIdFilter
@@ -104,6 +109,15 @@ def _context(record: logging.LogRecord) -> dict[str, Any]:
     }
 
 
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+# Loggers that say too much at INFO for an operator (their WARNINGs still show).
+_NOISY = ("urllib3", "werkzeug", "kombu", "amqp", "httpx", "httpcore", "alembic", "filelock")
+# Libraries that configure their own handlers: their records go to the root's instead, so
+# every line of a process has one format (vLLM's stdout handler, gunicorn's stderr ones,
+# Celery's task logger).
+_LIBRARIES = ("vllm", "gunicorn.error", "gunicorn.access", "celery", "celery.task", "celery.redirected")
+
+
 class KeyValueFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         base = super().format(record)
@@ -112,12 +126,15 @@ class KeyValueFormatter(logging.Formatter):
 
 
 class JsonFormatter(logging.Formatter):
+    """One JSON object per record; `ts` is UTC to the millisecond (`2026-12-01T12:00:00.123Z`)."""
+
     def format(self, record: logging.LogRecord) -> str:
         payload: dict[str, Any] = {
-            "ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S%z"),
+            "ts": timestamp(record.created),
             "level": record.levelname,
             "logger": record.name,
-            "msg": record.getMessage(),
+            "pid": record.process,
+            "msg": record.getMessage().rstrip("\n"),
             **_context(record),
         }
         if record.exc_info:
@@ -125,26 +142,87 @@ class JsonFormatter(logging.Formatter):
         return _mask(json.dumps(payload, default=str))
 
 
-def configure_logging(settings: Settings) -> None:
-    """Idempotent: safe to call from every process entry point."""
+def timestamp(created: float) -> str:
+    """`created` (seconds since the epoch) as ISO 8601 UTC with milliseconds."""
+    return datetime.fromtimestamp(created, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def logging_config(settings: Settings, *, log_file: Path | None = None) -> dict[str, Any]:
+    """The whole logging set-up of an llmq process as a `logging.config.dictConfig` document:
+    one handler on the root in llmq's format (JSON with `LLMQ_LOG_JSON`) with the request id
+    filter, and every library that brings handlers of its own sent to it instead. The
+    handler writes to stderr, or to `log_file` with a second one that puts WARNING and
+    above on stderr as well (`llmq up`: a person sees problems, the file has everything).
+
+    It is a plain document so that processes llmq does not start itself apply it too: vLLM
+    reads it from `VLLM_LOGGING_CONFIG_PATH` in its engine processes (see
+    `vllm_logging_environment`)."""
+    level = settings.log_level.upper()
+    formatter: dict[str, Any] = (
+        {"()": f"{__name__}.JsonFormatter"}
+        if settings.log_json
+        else {"()": f"{__name__}.KeyValueFormatter", "fmt": TEXT_FORMAT}
+    )
+    stderr = {
+        "class": "logging.StreamHandler",
+        "stream": "ext://sys.stderr",
+        "formatter": "llmq",
+        "filters": ["request_id"],
+    }
+    handlers: dict[str, Any] = {"llmq": stderr}
+    if log_file is not None:
+        to_file = {k: v for k, v in stderr.items() if k != "stream"}
+        handlers = {
+            "llmq": {**to_file, "class": "logging.FileHandler", "filename": str(log_file)},
+            "terminal": {**stderr, "level": "WARNING"},
+        }
+    return {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {"llmq": formatter},
+        "filters": {"request_id": {"()": RequestIdFilter.__module__ + ".RequestIdFilter"}},
+        "handlers": handlers,
+        "root": {"level": level, "handlers": list(handlers)},
+        "loggers": {
+            **{name: {"level": "WARNING"} for name in _NOISY},
+            **{name: {"handlers": [], "propagate": True} for name in _LIBRARIES},
+        },
+    }
+
+
+def configure_logging(settings: Settings, *, log_file: Path | None = None) -> None:
+    """Idempotent: safe to call from every process entry point. `log_file`: see
+    `logging_config`."""
     remember_secret(settings.bootstrap_api_key)
     root = logging.getLogger()
     if getattr(root, "_llmq_configured", False):
         return
-    handler = logging.StreamHandler(sys.stderr)
-    handler.addFilter(RequestIdFilter())  # on the handler: it sees every logger's records
-    handler.setFormatter(
-        JsonFormatter()
-        if settings.log_json
-        else KeyValueFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
-    )
-    root.handlers[:] = [handler]
-    root.setLevel(settings.log_level.upper())
-    for noisy in ("urllib3", "werkzeug", "kombu", "amqp", "httpx", "httpcore", "alembic"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    logging.config.dictConfig(logging_config(settings, log_file=log_file))
+    # Warnings (a library's DeprecationWarning, Celery's SecurityWarning as root) become
+    # records of `py.warnings`, in the same format as every other line.
+    logging.captureWarnings(True)
     root._llmq_configured = True  # type: ignore[attr-defined]
     unknown = unknown_environment(os.environ)
     if unknown:
         logging.getLogger("llmq.settings").warning(
             "unknown LLMQ_ variables ignored (a typo?): %s", ", ".join(unknown)
         )
+
+
+def vllm_logging_environment(settings: Settings) -> dict[str, str]:
+    """The environment that makes vLLM log in llmq's format in every process it starts (the
+    engine core is a process of its own, configured from the environment alone): the
+    `logging_config` document written to a file for `VLLM_LOGGING_CONFIG_PATH`. Empty when
+    the operator configured vLLM's logging already (either variable set)."""
+    if "VLLM_LOGGING_CONFIG_PATH" in os.environ or "VLLM_CONFIGURE_LOGGING" in os.environ:
+        return {}
+    fd, path = tempfile.mkstemp(prefix="llmq-vllm-logging-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(logging_config(settings), f)
+    atexit.register(_remove, path)
+    return {"VLLM_LOGGING_CONFIG_PATH": path}
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import sys
 
 APP = "app.api:create_app()"
+# gunicorn's own lines in llmq's log format (JSON with LLMQ_LOG_JSON).
+LOGGER_CLASS = "app.gunicorn_logging.Logger"
 
 
 def gunicorn_argv(host: str, port: int, *, workers: int = 2, connections: int = 2000) -> list[str]:
@@ -32,6 +34,8 @@ def gunicorn_argv(host: str, port: int, *, workers: int = 2, connections: int = 
         "120",
         "--log-level",
         "warning",
+        "--logger-class",
+        LOGGER_CLASS,
         # Hooks for the metrics each worker process records (app/gunicorn_conf.py).
         "--config",
         "python:app.gunicorn_conf",

@@ -378,9 +378,13 @@ class Settings(BaseSettings):
         "PROMETHEUS_MULTIPROC_DIR (or pid).",
     )
 
-    # Logging.
+    # Logging and tracing.
     log_level: str = "INFO"
     log_json: bool = False
+    otel: bool = Field(
+        default=False,
+        description="OpenTelemetry traces (needs the `otel` extra); exporters from the OTEL_* variables.",
+    )
 
     # `llmq up`, `llmq api` and the CLI client.
     port: int = Field(

@@ -7,6 +7,7 @@ import sys
 
 from app.logs import configure_logging
 from app.settings import Settings
+from worker.stdio import capture_output
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -14,11 +15,17 @@ def main(argv: list[str] | None = None) -> None:
     # a multiprocess folder meant for the API must not divert them (vLLM would read it too).
     os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
     settings = Settings()
+    if settings.log_json:
+        # What bypasses logging (C++ warnings, progress bars, prints) becomes JSON too.
+        capture_output()
     configure_logging(settings)
     from worker.celery_app import create_celery
 
     app = create_celery(settings)
     args = [
+        # No banner: what it says (queue, concurrency) is in llmq's own start-up lines, and
+        # it would be the one part of a JSON log that is not JSON.
+        "--quiet",
         "worker",
         f"--hostname=llmq-{os.getpid()}@%h",
         f"--loglevel={settings.log_level}",

@@ -10,6 +10,8 @@ from typing import Any
 from celery import Celery, signals
 from kombu import Queue
 
+from app import tracing
+from app.logs import configure_logging
 from app.queue import celery_config, queue_name
 from app.settings import Settings
 from worker import runtime
@@ -21,6 +23,8 @@ log = logging.getLogger("llmq.worker")
 
 def create_celery(settings: Settings) -> Celery:
     survive_broker_loss()
+    # Before the runtime creates its database engine (SQLAlchemy is instrumented then).
+    tracing.setup(settings, service="llmq-worker")
     app = Celery("llmq-worker")
     app.conf.update(celery_config(settings))
     app.conf.update(
@@ -66,6 +70,12 @@ def _connect_signals(app: Celery, settings: Settings) -> None:
         runtime.set_current(None)
         log.info("worker stopped")
 
+    def on_setup_logging(**_: Any) -> None:
+        # A receiver here means Celery adds no handler of its own (its task logger's
+        # included) and leaves stdout alone: its records reach llmq's root handler.
+        configure_logging(settings)
+
+    signals.setup_logging.connect(on_setup_logging, weak=False)
     signals.worker_init.connect(on_init, weak=False)
     signals.worker_shutting_down.connect(on_shutting_down, weak=False)
     signals.worker_shutdown.connect(on_shutdown, weak=False)

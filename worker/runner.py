@@ -17,6 +17,7 @@ from typing import Any, TypeVar, cast
 
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError, SQLAlchemyError
 
+from app import tracing
 from app.completions import CompletionDict, UsageDict, chunk_header
 from app.completions import usage as completion_usage
 from app.domain.status import JobKind, JobStatus
@@ -140,6 +141,7 @@ class Run:
     result: Result | None = None
     handed_back: bool = False
     constraint_key: str | None = None  # set when the job has a structured-output constraint
+    span: tracing.Span | None = None  # the job's time in the engine, when traced
     claimed: float = 0.0  # time.monotonic() when the claim returned
 
 
@@ -280,6 +282,18 @@ class JobRunner:
         try:
             runs = [self._prepare(claim, quiet, items[claim.job_id], claimed) for claim in claims]
             ready = [r for r in runs if r.tr is not None]
+            for r in ready:
+                # Started on this (the task's) thread, so it continues the task's trace.
+                r.span = tracing.start_span(
+                    tracing.ENGINE_SPAN,
+                    {
+                        "llmq.job_id": r.claim.job_id,
+                        "llmq.epoch": r.claim.epoch,
+                        "llmq.batch_id": r.claim.batch_id,
+                        "llmq.request_id": r.claim.request_id,
+                        "llmq.model": r.claim.model,
+                    },
+                )
             statuses.update(self._end([r for r in runs if r.tr is None], give))
             # Each line is stored as it ends (lines ending together share one write), so a
             # short line never waits for the longest of its chunk, nor holds its slot.
@@ -373,6 +387,8 @@ class JobRunner:
         assert run.tr is not None and run.outcome is not None and run.item is not None
         outcome, stream = run.outcome, run.stream
         if run.item.cancelled or run.item.lost or run.item.released:
+            if run.span is not None:
+                run.span.end(None)
             return  # stopped while its prompt rendered (an abort then found nothing to stop)
 
         async def generate() -> None:
@@ -389,6 +405,9 @@ class JobRunner:
             outcome.error = exc
         except Exception as exc:  # noqa: BLE001 - kept per job, judged in _conclude
             outcome.error = exc
+        finally:
+            if run.span is not None:
+                run.span.end(outcome.error)
 
     def _conclude(self, run: Run) -> None:
         """Turn what happened to one run into the result to write (or none)."""

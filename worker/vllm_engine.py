@@ -16,6 +16,7 @@ from typing import Any
 
 import psutil
 
+from app.logs import vllm_logging_environment
 from app.settings import Settings
 from worker.engine import (
     ChoiceDelta,
@@ -35,6 +36,10 @@ class VllmEngine:
     name = "vllm"
 
     def __init__(self, settings: Settings) -> None:
+        # vLLM configures logging in each of its processes from its own settings, which the
+        # engine core reads from the environment: point them at llmq's configuration so
+        # every vLLM line, the engine core's included, is in llmq's format.
+        os.environ.update(vllm_logging_environment(settings))
         import vllm
 
         self.version = str(vllm.__version__)

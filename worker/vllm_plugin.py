@@ -1,7 +1,7 @@
 """A vLLM general plugin (entry point `vllm.general_plugins`), run by vLLM in each of its
 processes: the frontend, the engine core and the model worker.
 
-It does two things:
+It does three things:
 
 - On CPUs with AMX, vLLM's bf16 attention uses AMX tiles, which Linux only allows after a
   process asks for them (`arch_prctl(ARCH_REQ_XCOMP_PERM)`). Compiled mode asks as a side
@@ -11,11 +11,15 @@ It does two things:
   worker they kept their KV cache (GiBs) and, on CPU, a spinning core. In processes started
   by an llmq worker (the worker names itself in `PARENT_ENV` before starting the engine),
   this asks the kernel to SIGKILL the process when its parent dies.
+- In those same processes, Python warnings become log records (`py.warnings`), so they are
+  written in llmq's log format like the rest of the engine's lines (vLLM applies llmq's
+  logging configuration there itself, from `VLLM_LOGGING_CONFIG_PATH`).
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import signal
 import sys
@@ -33,6 +37,8 @@ _hooked = False
 def setup() -> None:
     request_amx()
     die_with_parent()
+    if _expected_parent() is not None:
+        logging.captureWarnings(True)
 
 
 def request_amx() -> None:

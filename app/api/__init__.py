@@ -19,6 +19,7 @@ def create_app(settings: Settings | None = None, *, services: Services | None = 
     Raises:
         TypeError: both `settings` and `services` were given.
     """
+    from app import tracing
     from app.api import (
         batches,
         chat,
@@ -41,6 +42,8 @@ def create_app(settings: Settings | None = None, *, services: Services | None = 
         raise TypeError("create_app takes settings or services, not both: services carry their own settings")
     settings = services.settings if services is not None else settings or Settings()
     configure_logging(settings)
+    # Before the services: SQLAlchemy is instrumented when their engine is created.
+    tracing.setup(settings, service="llmq-api")
     app = Flask("llmq")
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.extensions["llmq"] = services or build_services(settings)
@@ -63,6 +66,7 @@ def create_app(settings: Settings | None = None, *, services: Services | None = 
         console.bp,
     ):
         app.register_blueprint(blueprint)
+    tracing.instrument_app(app)
     # Outermost: every response gets its X-Request-ID and an access log line.
     app.wsgi_app = AccessLog(  # type: ignore[method-assign]
         app.wsgi_app,

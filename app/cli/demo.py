@@ -14,6 +14,20 @@ from typing import Any
 from app.cli.batch import submit
 from app.cli.client import LlmqClient
 
+# The demo's answers are shown in a few lines each, so the whole run fits on a screen (the
+# full answers are in the output file it names).
+_ANSWER_LINES = 3
+_WIDTH = 160
+
+
+def _excerpt(answer: str) -> list[str]:
+    """The first lines of `answer` (empty ones dropped), each cut to a terminal's width."""
+    lines = [x.strip() for x in answer.strip().splitlines() if x.strip()] or ["(empty)"]
+    shown = [x if len(x) <= _WIDTH else x[: _WIDTH - 1] + "…" for x in lines[:_ANSWER_LINES]]
+    if len(lines) > _ANSWER_LINES:
+        shown[-1] += " …"
+    return shown
+
 
 def run_demo(base_url: str, api_key: str, path: Path, *, model: str | None = None) -> dict[str, Any]:
     client = LlmqClient(base_url, api_key)
@@ -34,20 +48,20 @@ def run_demo(base_url: str, api_key: str, path: Path, *, model: str | None = Non
         answer = line["response"]["body"]["choices"][0]["message"]["content"] or ""
         stats = client.get_job(line["response"]["request_id"])["generation_stats"] or {}
         generated += stats.get("generation_tokens", 0)
-        print(f"\n[{line['custom_id']}]\n  " + answer.strip().replace("\n", "\n  "))
         print(
-            f"  stats: {stats.get('prompt_tokens')} prompt tokens, "
-            f"{stats.get('generation_tokens')} generated, "
-            f"{stats.get('generation_tps', 0):.1f} tok/s, "
-            f"prompt {stats.get('prompt_tps', 0):.0f} tok/s, "
+            f"[{line['custom_id']}] {stats.get('prompt_tokens')} prompt + "
+            f"{stats.get('generation_tokens')} generated tokens, "
+            f"{stats.get('generation_tps', 0):.1f} tok/s (prompt {stats.get('prompt_tps', 0):.0f} tok/s), "
             f"peak memory {stats.get('peak_memory_usage', {}).get('inBytes', 0) / 2**20:.0f} MiB"
         )
+        for text in _excerpt(answer):
+            print("  " + text)
     errors = work.with_name(work.stem + ".errors.jsonl")
     for raw in errors.read_text().splitlines() if errors.exists() else []:
         line = json.loads(raw)
-        print(f"\n[{line['custom_id']}] failed: {json.dumps(line['response'] or line['error'])}")
+        print(f"[{line['custom_id']}] failed: {json.dumps(line['response'] or line['error'])[:_WIDTH]}")
     print(
-        f"\n{batch['request_counts']['completed']} of {batch['request_counts']['total']} "
+        f"{batch['request_counts']['completed']} of {batch['request_counts']['total']} "
         f"requests in {wall:.1f}s, "
         f"{generated / wall:.1f} generated tok/s overall; files in {work.parent}"
     )

