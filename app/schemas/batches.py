@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from app.domain.line_order import LineOrder
 from app.domain.metadata import JSON_SCHEMA as METADATA_SCHEMA
 from app.schemas.base import WireModel
 from app.schemas.chat import ChatCompletionV2Request
@@ -94,6 +95,9 @@ class BatchCreate(WireModel):
     completion_window: str = Field(max_length=16, json_schema_extra={"pattern": COMPLETION_WINDOW_PATTERN})
     metadata: dict[str, str] | None = Field(default=None, json_schema_extra=METADATA_SCHEMA)
     output_expires_after: ExpiresAfter | None = None
+    # llmq's extension: "prefix" (default) runs lines sharing a prompt prefix together;
+    # "input" sends them in file order (app/domain/line_order.py).
+    x_line_order: LineOrder = LineOrder.PREFIX
 
 
 class RequestCounts(WireModel):
@@ -157,6 +161,7 @@ class BatchObject(WireModel):
     x_parent_batch_id: str | None = None
     # The X-Request-ID of the request that created the batch (its lines carry it too).
     x_request_id: str | None = None
+    x_line_order: LineOrder = LineOrder.PREFIX
 
 
 class BatchList(WireModel):

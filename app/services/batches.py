@@ -14,6 +14,7 @@ from sqlalchemy import select, text, update
 from sqlalchemy.exc import SQLAlchemyError
 
 from app.db import Database
+from app.domain.line_order import LineOrder
 from app.domain.metadata import check_metadata
 from app.domain.status import BatchStatus, FilePurpose, JobStatus
 from app.errors import Conflict, InvalidRequest
@@ -192,6 +193,7 @@ class BatchService:
                 status=BatchStatus.VALIDATING.value,
                 metadata_=req.metadata,
                 output_expires_after=req.output_expires_after.seconds if req.output_expires_after else None,
+                line_order=req.x_line_order.value,
                 total=f.line_count,
                 parent_batch_id=parent,
                 idempotency_key=idem.key if idem else None,
@@ -346,6 +348,7 @@ class BatchService:
             "endpoint": batch.endpoint,
             "completion_window": batch.completion_window,
             "metadata": batch.metadata_,
+            "x_line_order": batch.line_order,
         }
         if batch.output_expires_after is not None:
             payload["output_expires_after"] = {"anchor": "created_at", "seconds": batch.output_expires_after}
@@ -406,4 +409,5 @@ def to_batch_object(batch: Batch, counts: Any, model: str | None) -> BatchObject
         x_estimated_seconds_left=eta,
         x_parent_batch_id=batch.parent_batch_id,
         x_request_id=batch.request_id,
+        x_line_order=LineOrder(batch.line_order),
     )
