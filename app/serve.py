@@ -13,7 +13,10 @@ import sys
 APP = "app.api:create_app()"
 
 
-def gunicorn_argv(host: str, port: int, *, workers: int = 2, connections: int = 2000) -> list[str]:
+def gunicorn_argv(
+    host: str, port: int, *, workers: int = 2, connections: int = 2000, app: str = APP
+) -> list[str]:
+    """`app`: the WSGI app to serve (the benchmarks serve a hello-world app the same way)."""
     return [
         sys.executable,
         "-m",
@@ -32,5 +35,5 @@ def gunicorn_argv(host: str, port: int, *, workers: int = 2, connections: int = 
         "120",
         "--log-level",
         "warning",
-        APP,
+        app,
     ]
