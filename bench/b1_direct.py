@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import resource
 import time
 
 from app.domain.prompts import ChatRenderer
@@ -41,10 +42,18 @@ async def main(model: str, bodies: list[dict]) -> dict[str, float]:
         return count
 
     start = time.perf_counter()
+    cpu_start = _own_cpu()
     counts = await asyncio.gather(*(one(i) for i in range(len(bodies))))
     seconds = time.perf_counter() - start
+    client_cpu = _own_cpu() - cpu_start
     await engine.close()
-    return {"tokens": float(sum(counts)), "seconds": seconds}
+    return {"tokens": float(sum(counts)), "seconds": seconds, "client_cpu_seconds": client_cpu}
+
+
+def _own_cpu() -> float:
+    """This process's CPU seconds (the engine core runs in a child: not counted)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 if __name__ == "__main__":

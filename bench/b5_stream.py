@@ -24,6 +24,7 @@ from sqlalchemy import text
 
 from app.connections import ADMIN_POOL
 from app.db import Database
+from bench import cpu
 from bench.common import save, service
 
 
@@ -135,8 +136,9 @@ def run(
         db = Database.from_url(stack.env["LLMQ_DATABASE_URL"], ADMIN_POOL)
         asyncio.run(streams_at(stack.base_url, stack.api_key, served, 1, 8))  # warm-up
         for n in levels:
-            results = asyncio.run(streams_at(stack.base_url, stack.api_key, served, n, max_tokens))
-            out[f"n{n}"] = measure(results, db)
+            with cpu.measure(stack) as use:
+                results = asyncio.run(streams_at(stack.base_url, stack.api_key, served, n, max_tokens))
+            out[f"n{n}"] = {**measure(results, db), "cpu_ms_per_job": use.per_unit_ms(n)}
         db.dispose()
         worker = stack.procs["worker"]
         worker.terminate()

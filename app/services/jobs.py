@@ -6,7 +6,7 @@ import logging
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import insert, select, update
+from sqlalchemy import insert, inspect, select, update
 
 from app.db import Database
 from app.domain.status import JobKind, JobStatus
@@ -28,6 +28,10 @@ from app.services.pagination import check_limit, newest_first, page_fields
 from app.services.parsing import parse_model
 from app.services.quotas import check_single_jobs
 from app.services.webhook_outbox import record_jobs
+
+# The jobs table's insert, and each attribute's column name (`metadata_` is `metadata`).
+_INSERT_JOB = insert(Job.metadata.tables[Job.__tablename__])
+_COLUMN_OF = {attr.key: attr.columns[0].name for attr in inspect(Job).column_attrs}
 
 log = logging.getLogger("llmq.jobs")
 
@@ -163,8 +167,9 @@ class JobService:
             # Counted and inserted in one transaction under the tenant's lock: concurrent
             # submits cannot all see the last free place.
             check_single_jobs(s, principal.tenant_id, self._max_active)
-            # A Core insert: the ORM unit of work would cost about a millisecond per job here.
-            s.execute(insert(Job).values(**values))
+            # One Core statement built once, its values as parameters: the ORM unit of work
+            # (about a millisecond per job) and a statement built per call are both skipped.
+            s.execute(_INSERT_JOB, {_COLUMN_OF[k]: v for k, v in values.items()})
         job = Job(**values)
         try:
             self._queue.enqueue(job.id, job.model, job.priority, request_id=job.request_id)
