@@ -71,8 +71,9 @@ def main() -> None:
     a = p.parse_args()
     env = {
         "LLMQ_ENGINE": "instant",
-        "LLMQ_RATE_LIMIT_PER_MINUTE": "0",
-        "LLMQ_MAX_ACTIVE_JOBS_PER_TENANT": "0",
+        # The per-key limiter still runs (as for a tenant whose limit was raised); the
+        # per-tenant cap on active jobs stays at its default.
+        "LLMQ_RATE_LIMIT_PER_MINUTE": "100000000",
         "LLMQ_MAX_NUM_SEQS": "64",
         "LLMQ_BATCH_DISPATCH_WINDOW": "2048",
         "LLMQ_BATCH_CHUNK_SIZE": "128",
