@@ -38,10 +38,12 @@ _CREATE_JOBS = text(
            coalesce((b->>'priority')::numeric::int, :default_priority), b->>'model', b, b->'metadata', 0, 0,
            now(), NULL,
            :batch, :deadline, fl.custom_id, fl.line_no, {LINE_TOKENS}, :request_id, {PREFIX_KEY_SQL}
-    FROM file_lines fl, LATERAL (SELECT (fl.raw::json)->'body' AS b) body
+    FROM file_lines fl, LATERAL (SELECT (fl.raw::json)->'body' AS b OFFSET 0) body
     WHERE fl.file_id = :file
     """  # noqa: S608 - LINE_TOKENS and PREFIX_KEY_SQL are constant expressions
 )
+# `OFFSET 0` keeps the body's subquery from being inlined: inlined, every `b->...` above
+# would parse the whole line again (half the INSERT's time on 50,000 lines).
 
 # A batch's progress: its lines by status, with their token sums.
 BATCH_COUNTS = text(
