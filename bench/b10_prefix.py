@@ -157,6 +157,7 @@ def run(
         "ratio": round(runs["prefix"]["generated_tokens_per_s"] / runs["input"]["generated_tokens_per_s"], 3),
         "hit_rate_input": runs["input"]["prefix_cache_hit_rate"],
         "hit_rate_prefix": runs["prefix"]["prefix_cache_hit_rate"],
+        "cpu_ms_per_line": runs["prefix"]["cpu_ms_per_line"],
         "runs": runs,
         "goal": ">= 1.3",
     }
