@@ -7,6 +7,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import insert, inspect, select, update
+from sqlalchemy.orm import defer
 
 from app.db import Database
 from app.domain.status import JobKind, JobStatus
@@ -36,6 +37,9 @@ _COLUMN_OF = {attr.key: attr.columns[0].name for attr in inspect(Job).column_att
 log = logging.getLogger("llmq.jobs")
 
 MAX_PAGE = 100
+# What a job object leaves out: the request and the recorded stream (every chunk of a long
+# answer), not read from Postgres for a poll or a listing; touching them is an error.
+JOB_OBJECT_ONLY = (defer(Job.request, raiseload=True), defer(Job.events, raiseload=True))
 
 
 def to_job_object(job: Job) -> JobObject:
@@ -185,7 +189,7 @@ class JobService:
         NotFound: no such job for this tenant (another tenant's job included).
         """
         with self._db.session() as s:
-            return to_job_object(load_owned(s, Job, job_id, principal.tenant_id))
+            return to_job_object(load_owned(s, Job, job_id, principal.tenant_id, options=JOB_OBJECT_ONLY))
 
     def list(
         self,
@@ -202,7 +206,7 @@ class JobService:
         check_limit(limit, MAX_PAGE)
         if status is not None and status not in {s.value for s in JobStatus}:
             raise InvalidRequest(f"unknown status {status!r}", param="status")
-        q = select(Job).where(Job.tenant_id == principal.tenant_id)
+        q = select(Job).options(*JOB_OBJECT_ONLY).where(Job.tenant_id == principal.tenant_id)
         if status:
             q = q.where(Job.status == status)
         if batch_id:
