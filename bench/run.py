@@ -3,7 +3,8 @@
 By default B1-B6 and B10, each with its baseline measured in the same run, and the CPU
 milliseconds per job or line of each process (API, worker without the engine core, engine
 core, Postgres, Redis; bench/cpu.py). Writes JSON under bench/results/, a PNG per curve and
-RESULTS.md (the table with the date, machine and load) under docs/bench/ (bench/results/ with --quick).
+RESULTS.md (the table with the date, machine and load) under docs/bench/ (under
+bench/results/ for --quick or --only).
 `--quick` runs every benchmark at small sizes (a few minutes): a smoke test of the bench
 code, not figures. B7 (~12 minutes), B8 and B9 run only when asked for (`--only B7`).
 Start it under the heavy-test lock on a shared machine: `flock /tmp/llmq-heavy.lock ...`.
@@ -139,8 +140,10 @@ def main() -> None:
     print(report.table(results))
     RESULTS.mkdir(parents=True, exist_ok=True)
     Path(RESULTS / "summary.json").write_text(json.dumps(results, indent=2, default=str))
-    # A quick run's outputs stay out of docs/: they are not figures.
-    out = RESULTS if a.quick else report.PLOTS
+    # Only a full default run writes docs/bench/ (the README's figures); a quick or partial
+    # run's table and plots go to bench/results/.
+    full = not a.quick and wanted >= set(DEFAULT.split(","))
+    out = report.PLOTS if full else RESULTS
     out.mkdir(parents=True, exist_ok=True)
     made = [] if a.no_plots else report.plots(results, out)
     (out / "RESULTS.md").write_text(report.markdown(results, started, load_before, a.quick))
