@@ -2,7 +2,8 @@
 vLLM's engine core) while a load runs, and prints the top frames by own time and, among
 llmq's code, by inclusive time. `python -m bench.profile submit|batch [--seconds 15]`
 
-submit: closed-loop POST /v2/jobs (B3's load); batch: a 10,000-line batch (B2's).
+submit: closed-loop POST /v2/jobs (B3's load); batch: a 50,000-line batch (B2's), sampled
+while it runs.
 Collapsed stacks are written to bench/results/profile-<load>-<process>.txt (flamegraph.pl
 or speedscope read them). Needs py-spy (the dev extra) and the right to ptrace (root).
 """
@@ -64,6 +65,11 @@ def top(collapsed: Path, n: int = 15) -> tuple[list[tuple[str, int]], list[tuple
     return own.most_common(n), inclusive.most_common(n), total
 
 
+def _wait_ended(client: LlmqClient, batch_id: str) -> None:
+    while client.get_batch(batch_id)["status"] not in ("completed", "failed", "expired", "cancelled"):
+        time.sleep(0.5)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("load", choices=("submit", "batch"))
@@ -95,10 +101,12 @@ def main() -> None:
                 args=(load.request_fn(stack.base_url, "POST", "/v2/jobs", body, auth), 4, a.seconds + 2),
             )
         else:
+            # Sampling starts once the batch runs (its upload and creation are B4's).
             path = Path(tempfile.mkdtemp()) / "profile.jsonl"
-            b2_overhead.write_batch(path, 10_000)
+            b2_overhead.write_batch(path, 50_000)
             client = LlmqClient(stack.base_url, stack.api_key, timeout=600)
-            work = threading.Thread(target=b2_overhead.one, args=(client, 10_000))
+            batch = client.create_batch(client.upload_batch_file(path)["id"], window="24h")
+            work = threading.Thread(target=_wait_ended, args=(client, batch["id"]))
         work.start()
         time.sleep(1.0)
         spies = [record(pid, a.seconds, outs[name]) for name, pid in targets.items()]
