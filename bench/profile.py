@@ -85,7 +85,7 @@ def main() -> None:
         "LLMQ_BATCH_CHUNK_SIZE": "128",
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
-    with service("instant", "bench-profile", **env) as stack:
+    with service("instant", b2_overhead.SERVED, **env) as stack:
         targets = {f"api{i}": c.pid for i, c in enumerate(psutil.Process(stack.procs["api"].pid).children())}
         targets["worker"] = stack.procs["worker"].pid
         outs = {name: RESULTS / f"profile-{a.load}-{name}.txt" for name in targets}
