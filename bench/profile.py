@@ -91,7 +91,7 @@ def main() -> None:
         outs = {name: RESULTS / f"profile-{a.load}-{name}.txt" for name in targets}
         if a.load == "submit":
             body = {
-                "model": "bench-profile",
+                "model": b2_overhead.SERVED,
                 "messages": [{"role": "user", "content": "hi"}],
                 "max_tokens": 16,
             }
