@@ -41,6 +41,11 @@ async def main(model: str, bodies: list[dict]) -> dict[str, float]:
             count += sum(len(o.token_ids) for o in out.outputs)
         return count
 
+    # Warm-up, not measured, as on the service's side.
+    warm = SamplingParams(max_tokens=1, output_kind=RequestOutputKind.DELTA)
+    for w in range(4):
+        async for _ in llm.generate(TokensPrompt(prompt_token_ids=prompts[0]), warm, f"b1-warm-{w}"):
+            pass
     start = time.perf_counter()
     cpu_start = _own_cpu()
     counts = await asyncio.gather(*(one(i) for i in range(len(bodies))))
