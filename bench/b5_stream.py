@@ -25,7 +25,7 @@ from sqlalchemy import text
 from app.connections import ADMIN_POOL
 from app.db import Database
 from bench import cpu
-from bench.common import save, service
+from bench.common import save, service, submit_all, wait_done
 
 
 def pct(values: list[float], p: float) -> float:
@@ -135,9 +135,10 @@ def run(
     with service(model, served) as stack:
         db = Database.from_url(stack.env["LLMQ_DATABASE_URL"], ADMIN_POOL)
         # Warm-up: each API process loads the model's tokenizer on its first request (seconds
-        # of CPU); concurrent streams reach every gunicorn worker before anything is measured.
-        for _ in range(2):
-            asyncio.run(streams_at(stack.base_url, stack.api_key, served, 4 * stack.settings.api_workers, 8))
+        # of CPU); concurrent submits reach every gunicorn worker before anything is measured.
+        warm = {"model": served, "messages": [{"role": "user", "content": "warm"}], "max_tokens": 1}
+        wait_done(stack, submit_all(stack, [warm] * (4 * stack.settings.api_workers)))
+        asyncio.run(streams_at(stack.base_url, stack.api_key, served, 1, 8))
         for n in levels:
             with cpu.measure(stack) as use:
                 results = asyncio.run(streams_at(stack.base_url, stack.api_key, served, n, max_tokens))
