@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from redis import Redis
 
@@ -12,10 +15,12 @@ from app.connections import api_pool
 from app.db import Database
 from app.events import JobEvents
 from app.liveness import Liveness
+from app.metrics import ApiMetrics, multiprocess_dir
 from app.queue import JobQueue, create_producer
 from app.services.addresses import system_resolver
 from app.services.batches import BatchService
 from app.services.chat import ChatService
+from app.services.completion_contract import CompletionPolicy
 from app.services.contract import RequestPolicy
 from app.services.files import FileService
 from app.services.health import HealthService, live_workers
@@ -23,13 +28,18 @@ from app.services.idempotency import IdempotencyLocks
 from app.services.jobs import JobService
 from app.services.keys import KeyService
 from app.services.limits import RateLimiter
-from app.services.metrics import MetricsService
+from app.services.metrics import ClusterLease, MetricsService
 from app.services.models import ModelRegistry, declared_models
 from app.services.notifier import Notifier
+from app.services.object_inputs import ObjectInputs
+from app.services.object_store import BucketAccess, ObjectStore, default_client
 from app.services.results import ResultsService
 from app.services.sandbox import ConstraintSandbox
+from app.services.scale_batches import ScaleBatchService
+from app.services.scale_completions import ScaleCompletionService
 from app.services.slots import StreamSlots
 from app.services.streaming import KeyWatch, StreamService
+from app.services.text_completions import TextCompletionService
 from app.services.tokenizers import PromptCounters
 from app.services.webhooks import WebhookService
 from app.settings import Settings
@@ -52,8 +62,11 @@ class Services:
     jobs: JobService
     streams: StreamService
     chat: ChatService
+    text_completions: TextCompletionService
+    scale: ScaleCompletionService
     files: FileService
     batches: BatchService
+    scale_batches: ScaleBatchService
     results: ResultsService
     health: HealthService
     metrics: MetricsService
@@ -64,6 +77,7 @@ class Services:
     models: ModelRegistry
     constraints: ConstraintSandbox | None = None
     tokenizers: PromptCounters | None = None
+    api_metrics: ApiMetrics = field(default_factory=ApiMetrics)
 
     @property
     def served_models(self) -> frozenset[str]:
@@ -82,6 +96,12 @@ def redis_client(url: str) -> Redis[bytes]:
     return Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5, health_check_interval=30)
 
 
+def replica_id(settings: Settings) -> str:
+    """This API replica's name in the cluster-figures lease: the same for all its gunicorn
+    processes (they share a PROMETHEUS_MULTIPROC_DIR), different from any other replica's."""
+    return settings.metrics_replica_id or f"{socket.gethostname()}:{multiprocess_dir() or os.getpid()}"
+
+
 def template_sandbox(settings: Settings, model: str, *, wait_seconds: float | None = None) -> TemplateSandbox:
     from app.services.template_sandbox import TemplateSandbox
 
@@ -94,7 +114,17 @@ def template_sandbox(settings: Settings, model: str, *, wait_seconds: float | No
     )
 
 
-def build_services(settings: Settings) -> Services:
+def object_store(settings: Settings, client: Callable[[], Any] | None = None) -> ObjectStore:
+    """The one S3-compatible store (boto3's own configuration unless `client` builds one),
+    with the buckets each tenant may use."""
+    return ObjectStore(
+        BucketAccess.parse(settings.s3_buckets), client or default_client, part_bytes=settings.s3_part_bytes
+    )
+
+
+def build_services(settings: Settings, *, s3_client: Callable[[], Any] | None = None) -> Services:
+    """`s3_client`: builds the object store's client (tests point it at their own store);
+    by default boto3's, configured by the environment."""
     pool = api_pool(settings)
     db = Database.from_settings(settings, pool, pool_timeout=settings.db_pool_timeout_seconds)
     log.info(pool.describe(), extra={"pool": pool.pool, "overflow": pool.overflow, "role": "api"})
@@ -117,7 +147,9 @@ def build_services(settings: Settings) -> Services:
         counters=tokenizers.counter if tokenizers is not None else None,
     )
     constraints = ConstraintSandbox.of(settings)
+    api_metrics = ApiMetrics()
     policy = RequestPolicy(settings, models, constraints=constraints)
+    completion_policy = CompletionPolicy(settings, models, constraints=constraints)
     locks = IdempotencyLocks(redis)
     jobs = JobService(
         db,
@@ -128,6 +160,7 @@ def build_services(settings: Settings) -> Services:
         locks=locks,
         idempotency_ttl_seconds=settings.idempotency_ttl_seconds,
         max_active_per_tenant=settings.max_active_jobs_per_tenant,
+        submitted=api_metrics.count_submitted,
     )
     streams = StreamService(
         db,
@@ -137,6 +170,8 @@ def build_services(settings: Settings) -> Services:
         heartbeat_seconds=settings.sse_heartbeat_seconds,
         key_check_seconds=settings.stream_key_check_seconds,
     )
+    files = FileService(db, policy, settings, completion_policy=completion_policy)
+    store = object_store(settings, s3_client)
     batches = BatchService(
         db,
         events,
@@ -144,6 +179,11 @@ def build_services(settings: Settings) -> Services:
         idempotency_ttl_seconds=settings.idempotency_ttl_seconds,
         max_active_lines_per_tenant=settings.max_active_batch_lines_per_tenant,
         batch_token_budget=settings.batch_token_budget,
+        submitted=api_metrics.count_submitted,
+        inputs=ObjectInputs(store, files, settings),
+    )
+    text_completions = TextCompletionService(
+        jobs, streams, completion_policy, wait_seconds=settings.sync_wait_seconds
     )
     results = ResultsService(
         db,
@@ -164,11 +204,20 @@ def build_services(settings: Settings) -> Services:
         jobs=jobs,
         streams=streams,
         chat=ChatService(jobs, streams, wait_seconds=settings.sync_wait_seconds),
-        files=FileService(db, policy, settings),
+        text_completions=text_completions,
+        scale=ScaleCompletionService(text_completions, streams),
+        files=files,
         batches=batches,
+        scale_batches=ScaleBatchService(db, batches, files, models),
         results=results,
         health=HealthService(db, redis, models.names),
-        metrics=MetricsService(db, redis, liveness, models.names),
+        metrics=MetricsService(
+            db,
+            redis,
+            liveness,
+            models.names,
+            ClusterLease(redis, replica_id(settings), lease_seconds=settings.metrics_lease_seconds),
+        ),
         limiter=RateLimiter(
             redis, per_minute=settings.rate_limit_per_minute, burst=settings.rate_limit_burst
         ),
@@ -189,4 +238,5 @@ def build_services(settings: Settings) -> Services:
         ),
         models=models,
         tokenizers=tokenizers,
+        api_metrics=api_metrics,
     )

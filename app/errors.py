@@ -62,6 +62,12 @@ class Unauthorized(LlmqError):
     default_code = "invalid_api_key"
 
 
+class Forbidden(LlmqError):
+    status = 403
+    type = "permission_error"
+    default_code = "forbidden"
+
+
 class NotFound(LlmqError):
     status = 404
     type = "not_found_error"

@@ -10,6 +10,7 @@ from sqlalchemy import (
     BigInteger,
     CheckConstraint,
     DateTime,
+    Double,
     Float,
     ForeignKey,
     Index,
@@ -203,6 +204,12 @@ class Job(Base):
     finished_xid: Mapped[int | None] = mapped_column(BigInteger)
     # The X-Request-ID of the request that created the job (a batch line: its batch's).
     request_id: Mapped[str | None] = mapped_column(String(128))
+    # Seconds, written with the result by the worker that ended the job (worker/metrics.py
+    # observes the same figures): from creation to its first claim; from its submission to
+    # the engine to its first token (null without one); from creation to its end.
+    queue_wait_seconds: Mapped[float | None] = mapped_column(Double)
+    ttft_seconds: Mapped[float | None] = mapped_column(Double)
+    e2e_seconds: Mapped[float | None] = mapped_column(Double)
 
 
 class File(Base):
@@ -253,6 +260,11 @@ class Batch(Base):
             postgresql_where=text("status IN ('validating','in_progress','cancelling','finalizing')"),
         ),
         Index(
+            "ix_batches_export_due",
+            "id",
+            postgresql_where=text("output_url IS NOT NULL AND exported_at IS NULL AND export_error IS NULL"),
+        ),
+        Index(
             "ix_batches_metadata",
             literal_column("(metadata::jsonb)").label("metadata_jsonb"),
             postgresql_using="gin",
@@ -292,6 +304,17 @@ class Batch(Base):
     cancelled_at: Mapped[datetime | None]
     # The X-Request-ID of the request that created the batch; its lines carry it too.
     request_id: Mapped[str | None] = mapped_column(String(128))
+    # Object storage (app/services/object_store.py): the s3:// object the lines were read
+    # from; where the output is exported when the batch ends, and in which format
+    # (app/services/batch_export.py); how that export ended, and a worker's claim on it.
+    input_url: Mapped[str | None] = mapped_column(Text)
+    output_url: Mapped[str | None] = mapped_column(Text)
+    output_format: Mapped[str | None] = mapped_column(String(16))
+    exported_at: Mapped[datetime | None]
+    export_error: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    export_lease_until: Mapped[datetime | None]
+    # What an llm-engine client sent beside its lines (model_config, priority), given back.
+    client_request: Mapped[dict[str, Any] | None] = mapped_column(JSON)
 
 
 class WebhookEndpoint(Base):

@@ -35,5 +35,8 @@ def gunicorn_argv(
         "120",
         "--log-level",
         "warning",
+        # Hooks for the metrics each worker process records (app/gunicorn_conf.py).
+        "--config",
+        "python:app.gunicorn_conf",
         app,
     ]

@@ -316,6 +316,23 @@ class Settings(BaseSettings):
         description="Let webhook endpoints point at loopback, private and link-local addresses "
         "(receivers inside your own network); refused otherwise, at creation and at every attempt.",
     )
+    # Object storage for batch inputs and outputs (app/services/object_store.py). The store
+    # itself is configured the way boto3 is: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
+    # AWS_REGION, and AWS_ENDPOINT_URL_S3 for an S3-compatible store that is not AWS.
+    s3_buckets: str = Field(
+        default="",
+        description="The buckets each tenant may read and write: `tenant=bucket[,bucket];tenant=...`, "
+        "tenant `*` for every tenant; empty: no s3:// path is allowed.",
+    )
+    s3_part_bytes: int = Field(
+        default=8 * 1024 * 1024,
+        ge=5 * 1024 * 1024,
+        description="Size of each part of a multipart upload of a batch's output (S3's minimum is 5 MiB); "
+        "the most memory one export holds.",
+    )
+    s3_export_poll_seconds: float = Field(
+        default=1.0, gt=0, description="Worker: how often ended batches are looked for to export."
+    )
     webhook_max_endpoints_per_tenant: int = Field(
         default=16, ge=1, description="Webhook endpoints per tenant."
     )
@@ -344,6 +361,27 @@ class Settings(BaseSettings):
         default=3 * 86400.0,
         gt=0,
         description="How long an event is retried before its delivery is marked failed.",
+    )
+
+    # Metrics (app/metrics.py, worker/metrics.py).
+    metrics_port: int = Field(
+        default=0,
+        ge=0,
+        le=65535,
+        description="A worker's /metrics port; 0 (the default): a free port the system picks, so "
+        "several workers share a host; the port is in the worker's heartbeat and on /readyz.",
+    )
+    metrics_address: str = Field(default="0.0.0.0", description="Where a worker's /metrics port listens.")
+    metrics_lease_seconds: float = Field(
+        default=60.0,
+        gt=0,
+        description="The API replica that reports cluster figures on /metrics holds a lease this long, "
+        "renewed by each scrape: keep it above Prometheus's scrape interval.",
+    )
+    metrics_replica_id: str | None = Field(
+        default=None,
+        description="This API replica's name in the cluster-figures lease; default: host name and "
+        "PROMETHEUS_MULTIPROC_DIR (or pid).",
     )
 
     # Logging.

@@ -10,6 +10,7 @@ cd "$(dirname "$0")/.."
 
 bash scripts/install.sh
 bash scripts/test-deps.sh
+bash scripts/scale-client.sh
 echo "== lint and types"
 .venv/bin/ruff check app worker tests bench
 .venv/bin/ruff format --check app worker tests bench

@@ -23,6 +23,7 @@ from app.container import Services, build_services
 from app.settings import Settings
 from tests.helpers import PG_URL, REDIS_DB, REDIS_URL, ROOT, Stores, make_settings
 from tests.pgbouncer import VIA_PGBOUNCER, start_pgbouncer
+from tests.s3 import MotoServer, start_moto
 
 
 def _pg_reachable(url: str) -> bool:
@@ -124,3 +125,13 @@ def tenant_keys(services: Services) -> dict[str, str]:
         "a": services.keys.create_key(f"tenant-a-{suffix}"),
         "b": services.keys.create_key(f"tenant-b-{suffix}"),
     }
+
+
+@pytest.fixture(scope="session")
+def moto_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoServer]:
+    """A real S3 API server (moto's server mode) on a free port, for the session."""
+    server = start_moto(tmp_path_factory.mktemp("moto") / "moto.log")
+    try:
+        yield server
+    finally:
+        server.stop()

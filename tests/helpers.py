@@ -28,7 +28,7 @@ from openai.types import Batch as SdkBatch
 
 from app.cli.embedded import free_port
 from app.schemas.chat import ChatCompletionV2Request
-from app.schemas.completion import ChatCompletion
+from app.schemas.completion import ChatCompletion, TextCompletion
 from app.schemas.jobs import JobObject
 from app.serve import gunicorn_argv
 from app.services.health import live_workers
@@ -239,7 +239,8 @@ def wait_for(client: httpx.Client, job_ids: list[str], timeout: float = 120) -> 
                     # Every job the suite sees is held to the seed shapes.
                     JobObject.model_validate(job)
                     if job["response"] is not None:
-                        ChatCompletion.model_validate(job["response"])
+                        text = job["response"].get("object") == "text_completion"
+                        (TextCompletion if text else ChatCompletion).model_validate(job["response"])
                     done[job_id] = job
         time.sleep(0.2)
     return done

@@ -10,6 +10,9 @@ from app.settings import Settings
 
 
 def main(argv: list[str] | None = None) -> None:
+    # One process serves this worker's metrics from its own registry (worker/metrics.py):
+    # a multiprocess folder meant for the API must not divert them (vLLM would read it too).
+    os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
     settings = Settings()
     configure_logging(settings)
     from worker.celery_app import create_celery

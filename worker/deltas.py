@@ -11,6 +11,7 @@ from typing import Any, Protocol
 
 from app.completions import ChunkChoiceDict, ChunkHeader, chunk
 from app.events import END_EVENT
+from app.text_completions import TextChoiceDict, text_chunk, text_logprobs
 from worker.engine import ChoiceDelta, EngineUpdate
 from worker.response import aborted_as, logprob_entry
 
@@ -50,6 +51,8 @@ class StreamShape:
     legacy: bool = False
     echo: str = ""
     logprobs: bool = False
+    # A text completion: `text_completion` chunks with `text` and legacy logprobs, no delta.
+    text: bool = False
 
 
 class JobStream:
@@ -70,6 +73,8 @@ class JobStream:
         self.epoch = epoch
         self._header = header  # id, created, model, system_fingerprint
         self._pending = [_Pending() for _ in range(n)]
+        # Characters each choice has streamed (text completions' logprob `text_offset`).
+        self._offsets = [0] * n
         self.shape = shape or StreamShape()
         self._seq = 0
         self._buffered_tokens = 0
@@ -81,6 +86,7 @@ class JobStream:
         """Set once the request is translated (before the first token)."""
         self.shape = shape
         self._pending = [_Pending() for _ in range(n)]
+        self._offsets = [0] * n
 
     def _next_id(self) -> str:
         self._seq += 1
@@ -140,6 +146,9 @@ class JobStream:
 
     def flush(self) -> None:
         """Turn buffered deltas into one chunk event (if there is anything to say)."""
+        if self.shape.text:
+            self._flush_text()
+            return
         choices: list[ChunkChoiceDict] = []
         for index, pending in enumerate(self._pending):
             if not pending.text and pending.finish_reason is None:
@@ -158,6 +167,28 @@ class JobStream:
         self._last_flush = time.monotonic()
         if choices:
             self._emit_chunk(choices)
+
+    def _flush_text(self) -> None:
+        """A text completion's chunk: each choice that moved, with its new text (the echoed
+        prompt first) and its tokens' legacy logprobs, offsets continuing the choice's text."""
+        choices: list[TextChoiceDict] = []
+        for index, pending in enumerate(self._pending):
+            if not pending.text and pending.finish_reason is None:
+                continue
+            text = (self.shape.echo if not pending.started else "") + "".join(pending.text)
+            logprobs = None
+            if self.shape.logprobs and pending.logprobs:
+                start = self._offsets[index] + (len(self.shape.echo) if not pending.started else 0)
+                logprobs = text_logprobs(pending.logprobs, start)
+            self._offsets[index] += len(text)
+            choices.append(
+                {"index": index, "text": text, "logprobs": logprobs, "finish_reason": pending.finish_reason}
+            )
+            self._pending[index] = _Pending(started=True)
+        self._buffered_tokens = 0
+        self._last_flush = time.monotonic()
+        if choices:
+            self._emit({"type": "chunk", "data": text_chunk(self._header, choices)})
 
     def complete(self, finals: list[Any]) -> None:
         """Buffered mode: send each choice whole, tool calls in OpenAI's streaming form."""

@@ -108,6 +108,12 @@ class ByteRenderer:
         text = "\n".join(message_text(getattr(m, "content", None)) or "" for m in req.messages)
         return list(text.encode("utf-8"))
 
+    def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, token_ids: list[int]) -> str:
+        return bytes(t % 256 for t in token_ids).decode("utf-8", "replace")
+
 
 class InstantEngine:
     """Answers every request at once with deterministic text; for tests and overhead

@@ -15,20 +15,24 @@ from typing import Any, TypeVar, cast
 
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError, SQLAlchemyError
 
-from app.completions import chunk_header
+from app.completions import CompletionDict, UsageDict, chunk_header
 from app.completions import usage as completion_usage
-from app.domain.status import JobStatus
+from app.domain.status import JobKind, JobStatus
 from app.domain.tools import call_id
 from app.errors import InvalidRequest, LlmqError, error_body
+from app.schemas.chat import ChatCompletionV2Request
 from app.services.contract import ConstraintChecker
+from app.text_completions import text_completion_id
 from worker.deltas import JobStream, StreamShape
 from worker.engine import Engine, EngineDead, EngineUpdate, PromptTooLong, RequestRejected
 from worker.loop import LoopThread
+from worker.metrics import JobFigures
 from worker.response import ChoiceState, build_completion, finalize
 from worker.slots import JobSlots
 from worker.stats import ResourceSampler, generation_stats, power_usage
 from worker.store import Claim, JobStore, Result
 from worker.streaming import StreamPublisher
+from worker.text_completion import build_text_completion, text_choices
 from worker.translate import Renderer, Translation, translate
 
 log = logging.getLogger("llmq.runner")
@@ -69,6 +73,8 @@ class RunnerConfig:
     # not lines), and a chunk waiting in it is out of every other worker's reach; its engine
     # meanwhile has its own waiting lines, so handing the chunk on costs it nothing.
     chunk_slot_wait_seconds: float = 2.0
+    # Told of each job this worker ended, once its end is stored (worker/metrics.py).
+    observe: Callable[[JobFigures], None] | None = None
 
 
 class Outcome:
@@ -108,6 +114,7 @@ def stream_shape(tr: Translation, job_id: str) -> StreamShape:
         legacy=tr.tools.legacy,
         echo=tr.echo,
         logprobs=tr.logprobs,
+        text=tr.text,
     )
 
 
@@ -124,6 +131,7 @@ class Run:
     result: Result | None = None
     handed_back: bool = False
     constraint_key: str | None = None  # set when the job has a structured-output constraint
+    claimed: float = 0.0  # time.monotonic() when the claim returned
 
 
 class JobRunner:
@@ -240,6 +248,7 @@ class JobRunner:
             ),
             {"jobs": len(job_ids)},
         )
+        claimed = time.monotonic()
         quiet = len(job_ids) > 1
         if len(claims) < len(job_ids):
             log.info("jobs not claimable; skipped", extra={"count": len(job_ids) - len(claims)})
@@ -250,7 +259,7 @@ class JobRunner:
             self._inflight.update(items)
         ready: list[Run] = []
         try:
-            runs = [self._prepare(claim, quiet, items[claim.job_id]) for claim in claims]
+            runs = [self._prepare(claim, quiet, items[claim.job_id], claimed) for claim in claims]
             ready = [r for r in runs if r.tr is not None]
             if ready:
                 self._loop.submit(self._drive_all(ready)).result()
@@ -260,6 +269,10 @@ class JobRunner:
             with self._lock:
                 for job_id in items:
                     self._inflight.pop(job_id, None)
+        ended = time.monotonic()
+        for r in runs:
+            if r.result is not None and not r.handed_back:
+                timings(r, ended)
         statuses = self._save([r for r in runs if r.result is not None])
         if any(isinstance(r.outcome and r.outcome.error, EngineDead) for r in ready):
             self.engine_dead.set()
@@ -268,7 +281,7 @@ class JobRunner:
             log.info("chunk done", extra={"jobs": len(job_ids), "claimed": len(claims), **_count(statuses)})
         return statuses
 
-    def _prepare(self, claim: Claim, quiet: bool, item: Inflight) -> Run:
+    def _prepare(self, claim: Claim, quiet: bool, item: Inflight, claimed: float) -> Run:
         job_id = claim.job_id
         ctx = {"job_id": job_id, "epoch": claim.epoch, "attempt": claim.attempts, "batch_id": claim.batch_id}
         if claim.request_id is not None:
@@ -277,7 +290,9 @@ class JobRunner:
         header = chunk_header(
             job_id, int(claim.created_at.timestamp()), claim.model, self._config.system_fingerprint
         )
-        run = Run(claim, self._streams.open(job_id, claim.epoch, header), ctx)
+        if claim.kind == JobKind.COMPLETION.value:
+            header["id"] = text_completion_id(job_id)
+        run = Run(claim, self._streams.open(job_id, claim.epoch, header), ctx, claimed=claimed)
         limit = self._config.max_request_bytes
         if claim.request_bytes > limit:
             # Decided on the size the claim read, before the request is parsed or rendered:
@@ -373,7 +388,8 @@ class JobRunner:
                 run, error_body(f"the job ran past its deadline of {limit:.0f} s", "timeout", code="timeout")
             )
         elif isinstance(error, PromptTooLong):
-            body = InvalidRequest(str(error), param="messages", code="context_length_exceeded").body()
+            param = "prompt" if run.claim.kind == JobKind.COMPLETION.value else "messages"
+            body = InvalidRequest(str(error), param=param, code="context_length_exceeded").body()
             run.result = self._failed(run, body)
         elif isinstance(error, RequestRejected):
             run.result = self._failed(run, InvalidRequest(str(error), param=error.param).body())
@@ -402,26 +418,18 @@ class JobRunner:
             peak_memory_bytes=max(s.memory_bytes for s in samples),
         )
         usage = completion_usage(outcome.prompt_tokens, outcome.completion_tokens, outcome.cached_tokens)
-        finals = [
-            finalize(
-                c,
-                job_id=claim.job_id,
-                plan=tr.tools,
-                echo=tr.echo,
-                logprobs=tr.logprobs,
-                request=claim.request,
-                extract=self._engine.extract_tool_calls if tr.tools.mode == "auto" else None,
+        response: Any
+        if tr.text:
+            response = build_text_completion(
+                claim.job_id,
+                int(claim.created_at.timestamp()),
+                claim.model,
+                text_choices(outcome.choices, echo=tr.echo, logprobs=tr.logprobs),
+                usage,
+                system_fingerprint=self._config.system_fingerprint,
             )
-            for c in outcome.choices
-        ]
-        run.stream.complete(finals)
-        response = build_completion(
-            claim,
-            finals,
-            usage,
-            system_fingerprint=self._config.system_fingerprint,
-            service_tier=tr.request.service_tier,
-        )
+        else:
+            response = self._chat_response(run, usage)
         cancelled = item.cancelled or any(c.finish_reason == "abort" for c in outcome.choices)
         status = JobStatus.CANCELLED if cancelled else JobStatus.SUCCEEDED
         end = run.stream.end_event(status.value, usage=usage, error=None)
@@ -437,6 +445,30 @@ class JobRunner:
             events=run.stream.events,
             end=end,
             completion_tokens=outcome.completion_tokens,
+        )
+
+    def _chat_response(self, run: Run, usage: UsageDict) -> CompletionDict:
+        claim, tr, outcome = run.claim, run.tr, run.outcome
+        assert tr is not None and outcome is not None and isinstance(tr.request, ChatCompletionV2Request)
+        finals = [
+            finalize(
+                c,
+                job_id=claim.job_id,
+                plan=tr.tools,
+                echo=tr.echo,
+                logprobs=tr.logprobs,
+                request=claim.request,
+                extract=self._engine.extract_tool_calls if tr.tools.mode == "auto" else None,
+            )
+            for c in outcome.choices
+        ]
+        run.stream.complete(finals)
+        return build_completion(
+            claim,
+            finals,
+            usage,
+            system_fingerprint=self._config.system_fingerprint,
+            service_tier=tr.request.service_tier,
         )
 
     def _failed(self, run: Run, error: dict[str, Any]) -> Result:
@@ -492,6 +524,8 @@ class JobRunner:
                     extra={**run.ctx, "completion_tokens": result.completion_tokens},
                 )
                 statuses[job_id] = result.status
+                if self._config.observe is not None:
+                    self._config.observe(figures(run, result))
         return statuses
 
     def _save_alone(self, run: Run) -> set[str]:
@@ -529,6 +563,37 @@ class JobRunner:
                 log.warning("database unavailable; retrying the write", extra={**ctx, "retry_in": delay})
                 time.sleep(delay)
                 delay = min(delay * 2, 10.0)
+
+
+def timings(run: Run, ended: float) -> None:
+    """The job's queue wait, time to first token and end-to-end seconds, onto its result
+    (stored with it, and observed by worker/metrics.py from there)."""
+    result, outcome = run.result, run.outcome
+    assert result is not None
+    result.queue_wait_seconds = round(run.claim.queue_wait_seconds, 6)
+    result.e2e_seconds = round(run.claim.age_seconds + (ended - run.claimed), 6)
+    if outcome is not None and outcome.first_token is not None:
+        result.ttft_seconds = round(outcome.first_token - outcome.submitted, 6)
+
+
+def figures(run: Run, result: Result) -> JobFigures:
+    outcome = run.outcome
+    prompt, completion = (outcome.prompt_tokens, outcome.completion_tokens) if outcome is not None else (0, 0)
+    inter_token = None
+    first, last = (outcome.first_token, outcome.last_token) if outcome is not None else (None, None)
+    if first is not None and last is not None and completion > 1 and last > first:
+        inter_token = (last - first) / (completion - 1)
+    return JobFigures(
+        model=run.claim.model,
+        status=result.status,
+        queue_wait_seconds=result.queue_wait_seconds,
+        ttft_seconds=result.ttft_seconds,
+        inter_token_seconds=inter_token,
+        e2e_seconds=result.e2e_seconds,
+        output_tokens_per_second=1.0 / inter_token if inter_token else None,
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+    )
 
 
 def _count(statuses: dict[str, str | None]) -> dict[str, int]:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from app.connections import WEBHOOK_POOL, worker_pool
-from app.container import redis_client
+from app.container import object_store, redis_client
 from app.db import Database
 from app.domain.prompts import ChatRenderer
 from app.events import JobEvents
@@ -22,6 +22,7 @@ from app.liveness import Liveness
 from app.periodic import Periodic
 from app.queue import JobQueue, create_producer
 from app.services.addresses import system_resolver
+from app.services.batch_export import BatchExports
 from app.services.batch_lifecycle import BatchLifecycle
 from app.services.expiry import FileExpiry
 from app.services.health import absent_workers, live_capacities
@@ -35,6 +36,7 @@ from worker.engine import Engine, InstantEngine
 from worker.expiry import ExpiryTask
 from worker.leader import LeaseLock
 from worker.loop import LoopThread
+from worker.metrics import MetricsServer, WorkerMetrics, WorkerState
 from worker.runner import JobRunner, RunnerConfig
 from worker.stats import ResourceSampler, find_power_sensor
 from worker.store import JobStore
@@ -131,6 +133,19 @@ class WorkerRuntime:
         self.queue = JobQueue(create_producer(settings), self.liveness)
         self.loop = LoopThread()
         self.sampler = ResourceSampler(self._pids, find_power_sensor(self._pids))
+        self.metrics = WorkerMetrics(
+            WorkerState(
+                model=settings.model_name,
+                engine=engine.name,
+                engine_version=engine.version,
+                running=lambda: len(self.runner.inflight()),
+                slots=settings.inflight_limit,
+                energy=self.sampler.energy_joules if self.sampler.has_power else None,
+            )
+        )
+        self.metrics_server = MetricsServer(
+            self.metrics, port=settings.metrics_port, address=settings.metrics_address
+        )
         self.streams = StreamPublisher(self.redis)
         self.constraints = ConstraintSandbox.of(settings)
         self.runner = JobRunner(
@@ -149,6 +164,7 @@ class WorkerRuntime:
                 tool_parser=settings.tool_call_parser,
                 max_inflight=settings.inflight_limit,
                 max_request_bytes=settings.max_request_bytes,
+                observe=self.metrics.observe,
             ),
             constraints=self.constraints,
         )
@@ -205,6 +221,17 @@ class WorkerRuntime:
             ),
         )
         self.webhooks = Periodic("llmq-webhooks", settings.webhook_poll_seconds, self.deliverer.tick, log=log)
+        # Ended batches' outputs go to object storage on a thread of their own: a long
+        # upload holds back neither the batch scheduler nor a job. A worker with no buckets
+        # configured exports nothing (and so never builds a client for a store it was not
+        # given); one that has them takes the exports.
+        exports = BatchExports(self.db, object_store(settings))
+        self.exports = Periodic(
+            "llmq-exports",
+            settings.s3_export_poll_seconds,
+            exports.export_due if settings.s3_buckets.strip() else lambda: 0,
+            log=log,
+        )
         # What the API needs to count prompts for this model: where its tokenizer is (the
         # folder or name this worker loaded; none for an engine without a tokenizer).
         self.tokenizer_source = settings.model if isinstance(renderer, ChatRenderer) else None
@@ -241,11 +268,16 @@ class WorkerRuntime:
             "inflight": len(self.runner.inflight()),
             "capacity": self.settings.inflight_limit,
             "pid": os.getpid(),
+            "host": socket.gethostname(),
+            # Where Prometheus scrapes this worker (worker/metrics.py); None until it listens.
+            "metrics_port": self.metrics_server.port,
         }
 
     def start(self) -> None:
         """Start the engine (blocks until it can serve) and the background threads."""
         self.presence.start()  # before any job can be claimed
+        port = self.metrics_server.start()
+        log.info("metrics listening", extra={"port": port, "address": self.settings.metrics_address})
         self.loop.start()
         log.info("starting engine", extra={"engine": self.engine.name, "model": self.settings.model_name})
         self.loop.call(self.engine.start())
@@ -260,6 +292,7 @@ class WorkerRuntime:
             self.cancels,
             self.heartbeat,
             self.webhooks,
+            self.exports,
         )
         for part in parts:
             part.start()
@@ -285,6 +318,7 @@ class WorkerRuntime:
     def stop(self) -> None:
         self._stopped.set()
         for part in (
+            self.exports,
             self.webhooks,
             self.presence,
             self.heartbeat,
@@ -295,6 +329,7 @@ class WorkerRuntime:
             self.sweeper,
             self.sampler,
             self.streams,
+            self.metrics_server,
         ):
             part.stop()
         self.constraints.close()

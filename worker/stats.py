@@ -129,6 +129,8 @@ class ResourceSampler:
         self._interval = interval
         self._ring: deque[Sample] = deque(maxlen=int(keep_seconds / interval) + 1)
         self._lock = threading.Lock()
+        # Joules per device since the first sample (trapezoids between samples).
+        self._joules: dict[str, float] = {}
         self._periodic = Periodic("llmq-sampler", interval, self.sample, log=log)
 
     @property
@@ -154,8 +156,21 @@ class ResourceSampler:
             memory = self._tree.rss()
         s = Sample(time.monotonic(), memory, watts)
         with self._lock:
+            last = self._ring[-1] if self._ring else None
+            if last is not None:
+                for device, now in watts.items():
+                    before = last.watts.get(device)
+                    if before is not None:
+                        self._joules[device] = (
+                            self._joules.get(device, 0.0) + (s.t - last.t) * (before + now) / 2
+                        )
             self._ring.append(s)
         return s
+
+    def energy_joules(self) -> dict[str, float]:
+        """Energy per device since sampling began; empty without a power sensor."""
+        with self._lock:
+            return dict(self._joules)
 
     def window(self, start: float, end: float) -> list[Sample]:
         """Samples taken between `start` and `end` (monotonic). A job shorter than the

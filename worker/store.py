@@ -39,6 +39,10 @@ class Claim:
     request_bytes: int = 0
     # The X-Request-ID of the request that created the job: in each of its log lines.
     request_id: str | None = None
+    # Seconds from the job's creation to its first claim (the queue wait, the same on every
+    # attempt), and to this claim (its age when this attempt began).
+    queue_wait_seconds: float = 0.0
+    age_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,10 @@ class Result:
     events: list[dict[str, Any]] | None = None
     end: dict[str, Any] | None = field(default=None, repr=False)
     completion_tokens: int = 0
+    # The job's timings (seconds, see Job): stored with an end, never with a hand-back.
+    queue_wait_seconds: float | None = None
+    ttft_seconds: float | None = None
+    e2e_seconds: float | None = None
 
 
 _CLAIM = text(
@@ -80,7 +88,9 @@ _CLAIM = text(
       AND (status = 'queued' OR (status = 'running' AND lease_expires_at < now()))
     RETURNING id, epoch, attempts, kind, model, priority, tenant_id,
       CASE WHEN octet_length(request::text) > :max_request THEN CAST('{}' AS json) ELSE request END,
-      created_at, batch_id, octet_length(request::text), request_id
+      created_at, batch_id, octet_length(request::text), request_id,
+      greatest(0, extract(epoch FROM started_at - created_at))::float8,
+      greatest(0, extract(epoch FROM now() - created_at))::float8
     """
 )
 
@@ -101,6 +111,9 @@ _FINISH_UPDATE = """
                               ELSE CAST(v.stats AS jsonb) END,
       power_usage = CASE WHEN v.status = 'queued' THEN j.power_usage ELSE CAST(v.power AS jsonb) END,
       events = CASE WHEN v.status = 'queued' THEN j.events ELSE CAST(v.events AS json) END,
+      queue_wait_seconds = CASE WHEN v.status = 'queued' THEN j.queue_wait_seconds ELSE v.queue_wait END,
+      ttft_seconds = CASE WHEN v.status = 'queued' THEN j.ttft_seconds ELSE v.ttft END,
+      e2e_seconds = CASE WHEN v.status = 'queued' THEN j.e2e_seconds ELSE v.e2e END,
       succeeded_at = CASE WHEN v.status = 'succeeded' THEN now() ELSE j.succeeded_at END,
       failed_at = CASE WHEN v.status = 'failed' THEN now() ELSE j.failed_at END,
       cancelled_at = CASE WHEN v.status = 'cancelled' THEN now() ELSE j.cancelled_at END,
@@ -110,7 +123,8 @@ _FINISH_UPDATE = """
       lease_expires_at = NULL
     FROM (
       SELECT r->>0 AS id, (r->>1)::bigint AS epoch, r->>2 AS status, r->>3 AS response, r->>4 AS error,
-             r->>5 AS usage, r->>6 AS stats, r->>7 AS power, r->>8 AS events, r->>9 AS event_id
+             r->>5 AS usage, r->>6 AS stats, r->>7 AS power, r->>8 AS events, r->>9 AS event_id,
+             (r->>10)::float8 AS queue_wait, (r->>11)::float8 AS ttft, (r->>12)::float8 AS e2e
       FROM json_array_elements(CAST(:rows AS json)) AS r
     ) AS v
     WHERE j.id = v.id AND j.epoch = v.epoch AND j.status = 'running'
@@ -173,6 +187,9 @@ class JobStore:
                 _doc(r.power_usage),
                 _doc(r.events),
                 new_event_id(),
+                r.queue_wait_seconds,
+                r.ttft_seconds,
+                r.e2e_seconds,
             ]
             for r in results
         ]

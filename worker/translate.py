@@ -13,6 +13,7 @@ from app.domain.status import JobKind
 from app.domain.structured import Constraint, constraint_of
 from app.domain.tools import ToolPlan, plan_tools
 from app.schemas.chat import AssistantMessage, ChatCompletionV2Request
+from app.schemas.text_completion import CompletionRequest
 from app.services.priority import clamp
 from worker.engine import GenerationSpec
 
@@ -20,15 +21,20 @@ from worker.engine import GenerationSpec
 class Renderer(Protocol):
     def render(self, req: ChatCompletionV2Request, plan: ToolPlan | None = None) -> list[int]: ...
 
+    def encode(self, text: str, *, add_special_tokens: bool) -> list[int]: ...
+
+    def decode(self, token_ids: list[int]) -> str: ...
+
 
 @dataclass(frozen=True)
 class Translation:
-    request: ChatCompletionV2Request
+    request: ChatCompletionV2Request | CompletionRequest
     spec: GenerationSpec
     tools: ToolPlan
     echo: str  # text the answer starts with (`echo` of a final assistant message)
     top_logprobs: int | None  # alternatives per token when logprobs were asked for
     constraint: Constraint | None = None  # the structured-output constraint, if any
+    text: bool = False  # a text completion (`text_completion` objects, no chat template)
 
     @property
     def logprobs(self) -> bool:
@@ -53,7 +59,11 @@ _SAME_NAME = (
 
 
 def sampling_kwargs(
-    req: ChatCompletionV2Request, *, max_tokens: int, bench: bool, structured: dict[str, Any] | None
+    req: ChatCompletionV2Request | CompletionRequest,
+    *,
+    max_tokens: int,
+    bench: bool,
+    structured: dict[str, Any] | None,
 ) -> dict[str, Any]:
     """The `SamplingParams` fields this request sets; unset fields keep vLLM's defaults
     (the OpenAI defaults: temperature 1, top_p 1, no penalties)."""
@@ -74,7 +84,11 @@ def sampling_kwargs(
         kw["min_tokens"] = max_tokens
     if req.logit_bias:
         kw["logit_bias"] = {int(token): float(bias) for token, bias in req.logit_bias.items()}
-    if req.logprobs:
+    if isinstance(req, CompletionRequest):
+        if req.logprobs is not None:
+            # A text completion's `logprobs` is the number of alternatives per token.
+            kw["logprobs"] = req.logprobs
+    elif req.logprobs:
         # The sampled token's logprob always comes back; `top_logprobs` adds alternatives.
         kw["logprobs"] = req.top_logprobs or 0
     if structured is not None:
@@ -107,6 +121,12 @@ def translate(
     InvalidRequest: the prompt does not fit the model's context, or the template refused
     the messages (a 400 for this job only).
     """
+    if kind == JobKind.COMPLETION.value:
+        from worker.text_completion import translate_completion
+
+        return translate_completion(
+            request, request_id=request_id, renderer=renderer, max_model_len=max_model_len, priority=priority
+        )
     req = ChatCompletionV2Request.model_validate(request)
     plan = plan_tools(req, auto_parser=tool_parser)
     found = constraint_of(req, plan)

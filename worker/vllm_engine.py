@@ -56,6 +56,7 @@ class VllmEngine:
         from vllm.platforms import current_platform
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm.v1.metrics.loggers import PrometheusStatLogger
 
         s = self._settings
         on_cpu = bool(current_platform.is_cpu())
@@ -81,10 +82,15 @@ class VllmEngine:
             structured_outputs_config=StructuredOutputsConfig(
                 backend=s.structured_output_backend, disable_any_whitespace=True
             ),
+            # Stats on, with vLLM's Prometheus logger alone (its `vllm:` metrics, in the default
+            # registry the worker's /metrics port serves: worker/metrics.py); its logging
+            # logger, which would print them every few seconds, is left out.
             disable_log_stats=True,
             enable_prefix_caching=True,
         )
-        self._llm = AsyncLLM.from_engine_args(args, usage_context=UsageContext.ENGINE_CONTEXT)
+        self._llm = AsyncLLM.from_engine_args(
+            args, usage_context=UsageContext.ENGINE_CONTEXT, stat_loggers=[PrometheusStatLogger]
+        )
         if on_cpu and s.pin_engine_core:
             _pin_engine_core()
 

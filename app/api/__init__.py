@@ -6,6 +6,7 @@ from flask import Flask, request
 
 from app.container import Services, build_services
 from app.errors import InvalidRequest
+from app.metrics import ROUTE_KEY
 from app.settings import Settings
 
 
@@ -18,7 +19,20 @@ def create_app(settings: Settings | None = None, *, services: Services | None = 
     Raises:
         TypeError: both `settings` and `services` were given.
     """
-    from app.api import batches, chat, errors, files, health, jobs, models, openapi, webhooks
+    from app.api import (
+        batches,
+        chat,
+        completions,
+        errors,
+        files,
+        health,
+        jobs,
+        models,
+        openapi,
+        scale,
+        scale_batches,
+        webhooks,
+    )
     from app.api.access import AccessLog
     from app.logs import configure_logging
 
@@ -31,12 +45,35 @@ def create_app(settings: Settings | None = None, *, services: Services | None = 
     app.extensions["llmq"] = services or build_services(settings)
 
     errors.register(app)
+    app.before_request(_note_route)  # first: a request refused by a later hook still has its route
     app.before_request(_refuse_nul)
-    for blueprint in (health.bp, jobs.bp, chat.bp, files.bp, batches.bp, models.bp, webhooks.bp, openapi.bp):
+    for blueprint in (
+        health.bp,
+        jobs.bp,
+        chat.bp,
+        completions.bp,
+        scale.bp,
+        files.bp,
+        batches.bp,
+        scale_batches.bp,
+        models.bp,
+        webhooks.bp,
+        openapi.bp,
+    ):
         app.register_blueprint(blueprint)
     # Outermost: every response gets its X-Request-ID and an access log line.
-    app.wsgi_app = AccessLog(app.wsgi_app, trusted_proxy_hops=settings.trusted_proxy_hops)  # type: ignore[method-assign]
+    app.wsgi_app = AccessLog(  # type: ignore[method-assign]
+        app.wsgi_app,
+        trusted_proxy_hops=settings.trusted_proxy_hops,
+        observe=app.extensions["llmq"].api_metrics.observe_request,
+    )
     return app
+
+
+def _note_route() -> None:
+    """The matched URL rule, for the request metrics' `route` label (app/metrics.py)."""
+    if request.url_rule is not None:
+        request.environ[ROUTE_KEY] = request.url_rule.rule
 
 
 def _refuse_nul() -> None:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Iterator
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from app.metrics import ROUTE_KEY
 from app.request_ids import HEADER, RequestInfo, bind, chosen
 
 if TYPE_CHECKING:
@@ -40,18 +41,25 @@ def peer_address(environ: WSGIEnvironment, trusted_proxy_hops: int) -> str:
     return str(environ.get("REMOTE_ADDR") or "unknown")
 
 
-class AccessLog:
-    """Wraps the Flask app's `wsgi_app`."""
+# (route, method, status, seconds): told of each request once its response has ended.
+Observer = Callable[[str | None, str, int, float], None]
 
-    def __init__(self, app: WSGIApplication, *, trusted_proxy_hops: int) -> None:
+
+class AccessLog:
+    """Wraps the Flask app's `wsgi_app`; `observe` gets each request's figures (app/metrics.py)."""
+
+    def __init__(
+        self, app: WSGIApplication, *, trusted_proxy_hops: int, observe: Observer | None = None
+    ) -> None:
         self._app = app
         self._hops = trusted_proxy_hops
+        self._observe = observe
 
     def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
         info = RequestInfo(chosen(environ.get("HTTP_X_REQUEST_ID")))
         context = contextvars.copy_context()
         context.run(bind, info)
-        line = _Line(info, environ, peer_address(environ, self._hops))
+        line = _Line(info, environ, peer_address(environ, self._hops), self._observe)
 
         def start(status: str, headers: list[tuple[str, str]], exc_info: _ExcInfo | None = None) -> Any:
             line.status = int(status.split(" ", 1)[0])
@@ -69,8 +77,12 @@ class AccessLog:
 
 
 class _Line:
-    def __init__(self, info: RequestInfo, environ: WSGIEnvironment, client: str) -> None:
+    def __init__(
+        self, info: RequestInfo, environ: WSGIEnvironment, client: str, observe: Observer | None
+    ) -> None:
         self.info = info
+        self.environ = environ
+        self.observe = observe
         self.method = str(environ.get("REQUEST_METHOD", ""))
         # The path alone: a query string's values are the client's and may hold anything.
         self.path = str(environ.get("SCRIPT_NAME", "")) + str(environ.get("PATH_INFO", ""))
@@ -84,11 +96,14 @@ class _Line:
         if self.written:
             return
         self.written = True
+        seconds = time.monotonic() - self.started
+        if self.observe is not None:
+            self.observe(self.environ.get(ROUTE_KEY), self.method, self.status, seconds)
         extra: dict[str, Any] = {
             "method": self.method,
             "path": self.path,
             "status": self.status,
-            "duration_ms": round((time.monotonic() - self.started) * 1000, 1),
+            "duration_ms": round(seconds * 1000, 1),
             "bytes": self.bytes,
             "client": self.client,
             "request_id": self.info.request_id,

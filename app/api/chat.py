@@ -30,7 +30,7 @@ def sse_response(body: Iterator[str], job_id: str | None = None, slot: str | Non
     return response
 
 
-def _reply(result: ChatResult, slot: str | None) -> Response | tuple[Response, int]:
+def reply(result: ChatResult, slot: str | None) -> Response | tuple[Response, int]:
     if result.stream is not None:
         return sse_response(result.stream, result.job_id, slot)
     services().slots.release(slot)
@@ -46,22 +46,22 @@ def _reply(result: ChatResult, slot: str | None) -> Response | tuple[Response, i
 @bp.post("/v2/chat/completions")
 def chat_completions() -> Response | tuple[Response, int]:
     payload = json_body(job=True)
-    slot = _slot_if_streaming(payload)
+    slot = slot_if_streaming(payload)
     with services().slots.released_on_error(slot):
         result = services().chat.complete(principal(), payload, idem=idempotency(payload))
-    return _reply(result, slot)
+    return reply(result, slot)
 
 
 @bp.post("/bench/chat/completions")
 def bench_chat_completions() -> Response | tuple[Response, int]:
     payload = json_body(job=True)
-    slot = _slot_if_streaming(payload)
+    slot = slot_if_streaming(payload)
     with services().slots.released_on_error(slot):
         result = services().chat.complete(principal(), payload, bench=True, idem=idempotency(payload))
-    return _reply(result, slot)
+    return reply(result, slot)
 
 
-def _slot_if_streaming(payload: Any) -> str | None:
+def slot_if_streaming(payload: Any) -> str | None:
     # Taken before the job is queued, so a caller over the cap gets a 429 and no job.
     streaming = isinstance(payload, dict) and payload.get("stream") is True
     return take_slot() if streaming else None

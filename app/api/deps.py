@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
 import contextlib
 from typing import Any, cast
 
@@ -20,10 +22,29 @@ def services() -> Services:
     return cast(Services, current_app.extensions["llmq"])
 
 
-def bearer_token() -> str | None:
+def api_key() -> str | None:
+    """The caller's key: `Authorization: Bearer <key>`, or HTTP Basic with the key as the
+    user name (Scale's `llmengine` client sends `auth=(key, "")`; the password is ignored).
+    None when neither scheme is sent.
+
+    Raises:
+        Unauthorized: a Basic header that is not base64 of `user:password` in UTF-8.
+    """
     header = request.headers.get("Authorization", "")
-    scheme, _, key = header.partition(" ")
-    return key.strip() if scheme.lower() == "bearer" else None
+    scheme, _, value = header.strip().partition(" ")
+    scheme = scheme.lower()
+    if scheme == "bearer":
+        return value.strip()
+    if scheme != "basic":
+        return None
+    try:
+        decoded = base64.b64decode(value.strip(), validate=True).decode("utf-8")
+    except (binascii.Error, ValueError) as exc:
+        raise Unauthorized("malformed Basic credentials: expected base64 of '<key>:'") from exc
+    user, colon, _ = decoded.partition(":")
+    if not colon:
+        raise Unauthorized("malformed Basic credentials: expected base64 of '<key>:'")
+    return user
 
 
 def optional_principal() -> Principal | None:
@@ -31,10 +52,10 @@ def optional_principal() -> Principal | None:
     that show more to an authenticated caller. A wrong key still counts as a failed
     authentication for its address."""
     s = services()
-    token = bearer_token()
-    if not token:
-        return None
     try:
+        token = api_key()
+        if not token:
+            return None
         found = s.keys.authenticate(token)
     except Unauthorized:
         with contextlib.suppress(RateLimited):  # a probe is never refused, only shown less
@@ -60,7 +81,7 @@ def authenticate() -> None:
     """
     s = services()
     try:
-        g.principal = s.keys.authenticate(bearer_token())
+        g.principal = s.keys.authenticate(api_key())
     except Unauthorized:
         s.auth_failures.check(client_address())
         raise

@@ -8,6 +8,7 @@ from __future__ import annotations
 from flask import Blueprint, Response, jsonify
 
 from app.api.deps import optional_principal, services
+from app.metrics import CONTENT_TYPE, Computed, build_info
 
 bp = Blueprint("health", __name__)
 
@@ -32,6 +33,11 @@ def readyz() -> Response:
 
 @bp.get("/metrics")
 def metrics() -> Response:
-    return Response(
-        services().metrics.render(details=_details()), mimetype="text/plain; version=0.0.4; charset=utf-8"
+    """This replica's processes' figures, its build info, and the cluster figures when this
+    replica is the one that reports them (app/services/metrics.py)."""
+    s = services()
+    details = _details()
+    text = s.api_metrics.exposition(
+        Computed(lambda: [build_info("api")]), Computed(lambda: s.metrics.collect(details=details))
     )
+    return Response(text, content_type=CONTENT_TYPE)

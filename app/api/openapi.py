@@ -21,10 +21,31 @@ from app.schemas.batches import (
     FileDeleted,
     FileList,
     FileObject,
+    TextBatchInputLine,
 )
 from app.schemas.chat import ChatCompletionV2Request
-from app.schemas.completion import BenchChatCompletion, ChatCompletion, ChatCompletionChunk, RecordedStream
+from app.schemas.completion import (
+    BenchChatCompletion,
+    ChatCompletion,
+    ChatCompletionChunk,
+    RecordedStream,
+    TextCompletion,
+    TextCompletionChunk,
+)
 from app.schemas.jobs import ErrorResponse, JobList, JobObject, ModelList
+from app.schemas.scale import (
+    CompletionStreamV1Request,
+    CompletionStreamV1Response,
+    CompletionSyncV1Request,
+    CompletionSyncV1Response,
+)
+from app.schemas.scale_batches import (
+    BatchCompletionsJob,
+    CancelBatchCompletionsV2Response,
+    CreateBatchCompletionsV2Request,
+    GetBatchCompletionV2Response,
+)
+from app.schemas.text_completion import CompletionRequest
 from app.schemas.webhooks import (
     RotateSecret,
     WebhookDeliveryList,
@@ -51,6 +72,8 @@ Route = tuple[
 
 # No U+0000: ids, cursors and filters are Postgres text (a NUL is a 400).
 _TEXT: dict[str, Any] = {"type": "string", "pattern": "^[^\\u0000]*$"}
+# A served model's name, as the query of Scale's routes carries it.
+_MODEL_NAME: dict[str, Any] = {"type": "string", "minLength": 1, "maxLength": 256, "pattern": "^[^\\u0000]*$"}
 
 
 # `metadata[KEY]=VALUE` filters, several AND-ed (app/domain/metadata.py).
@@ -125,6 +148,33 @@ ROUTES: list[Route] = [
         [],
         [],
     ),
+    (
+        "post",
+        "/v1/completions",
+        "Text completion, no chat template (waits; `stream: true` relays SSE of `text_completion` chunks)",
+        CompletionRequest,
+        {200: TextCompletion, 202: JobObject},
+        [],
+        [],
+    ),
+    (
+        "post",
+        "/v1/llm/completions-sync",
+        "Scale LLM Engine v1 completion (waits; `request_id` is the job id)",
+        CompletionSyncV1Request,
+        {200: CompletionSyncV1Response, 202: JobObject},
+        [],
+        [("model_endpoint_name", _MODEL_NAME)],
+    ),
+    (
+        "post",
+        "/v1/llm/completions-stream",
+        "Scale LLM Engine v1 completion as SSE of `CompletionStreamV1Response` (no [DONE] line)",
+        CompletionStreamV1Request,
+        {200: None},
+        [],
+        [("model_endpoint_name", _MODEL_NAME)],
+    ),
     ("get", "/v1/models", "Served models", None, {200: ModelList}, [], []),
     (
         "post",
@@ -147,7 +197,16 @@ ROUTES: list[Route] = [
     ("get", "/v1/files/{file_id}", "Read one file's metadata", None, {200: FileObject}, ["file_id"], []),
     ("get", "/v1/files/{file_id}/content", "A file's bytes", None, {200: None}, ["file_id"], []),
     ("delete", "/v1/files/{file_id}", "Delete a file", None, {200: FileDeleted}, ["file_id"], []),
-    ("post", "/v1/batches", "Create a batch from an uploaded file", BatchCreate, {200: BatchObject}, [], []),
+    (
+        "post",
+        "/v1/batches",
+        "Create a batch from an uploaded file or an s3:// JSONL object (`x_output_data_path`: "
+        "also write the output there when it ends)",
+        BatchCreate,
+        {200: BatchObject},
+        [],
+        [],
+    ),
     (
         "get",
         "/v1/batches",
@@ -172,6 +231,34 @@ ROUTES: list[Route] = [
             ("after", {"type": "string", "pattern": "^[0-9]{1,18}\\.[0-9]{1,9}$"}),
             ("follow", {"type": "boolean"}),
         ],
+    ),
+    (
+        "post",
+        "/v2/batch-completions",
+        "Scale LLM Engine v2 batch completions: `content` or an s3:// `input_data_path`, output "
+        "written to the s3:// `output_data_path` (each item an llmq batch line; the job id is the batch's)",
+        CreateBatchCompletionsV2Request,
+        {200: BatchCompletionsJob},
+        [],
+        [],
+    ),
+    (
+        "get",
+        "/v2/batch-completions/{job_id}",
+        "Read one v2 batch completions job",
+        None,
+        {200: GetBatchCompletionV2Response},
+        ["job_id"],
+        [],
+    ),
+    (
+        "post",
+        "/v2/batch-completions/{job_id}/actions/cancel",
+        "Cancel a v2 batch completions job (`success: false` if it had already ended)",
+        None,
+        {200: CancelBatchCompletionsV2Response},
+        ["job_id"],
+        [],
     ),
     (
         "post",
@@ -268,6 +355,7 @@ _MULTIPART = {
 _ERRORS = {
     400: "Invalid request",
     401: "Missing or invalid key",
+    403: "A bucket this tenant may not use, or one the object store refuses",
     404: "Not found",
     409: "Conflict",
     413: "Too large",
@@ -279,8 +367,13 @@ _ERRORS = {
 # `BatchOutputLine` (a batch's output or error file); a batch's results are output lines,
 # and followed, end with its `batch` event.
 _STREAMED: dict[tuple[str, str], list[tuple[str, list[type[BaseModel]]]]] = {
-    ("get", "/v2/jobs/{job_id}/stream"): [("text/event-stream", [ChatCompletionChunk, ErrorResponse])],
-    ("get", "/v1/files/{file_id}/content"): [("application/jsonl", [BatchInputLine, BatchOutputLine])],
+    ("get", "/v2/jobs/{job_id}/stream"): [
+        ("text/event-stream", [ChatCompletionChunk, TextCompletionChunk, ErrorResponse])
+    ],
+    ("post", "/v1/llm/completions-stream"): [("text/event-stream", [CompletionStreamV1Response])],
+    ("get", "/v1/files/{file_id}/content"): [
+        ("application/jsonl", [BatchInputLine, TextBatchInputLine, BatchOutputLine])
+    ],
     ("get", "/v1/batches/{batch_id}/results"): [
         ("application/jsonl", [BatchOutputLine]),
         ("text/event-stream", [BatchOutputLine, BatchObject, ErrorResponse]),
@@ -294,6 +387,8 @@ _EXTRA_MODELS: list[type[BaseModel]] = [
     ChatCompletionChunk,
     BatchOutputLine,
     BatchInputLine,
+    TextBatchInputLine,
+    TextCompletionChunk,
 ]
 
 
@@ -303,13 +398,23 @@ def _schemas() -> dict[str, Any]:
         if req is not None:
             models.add(req)
         models.update(m for m in responses.values() if m is not None)
-    keyed = [(m, "validation" if m is ChatCompletionV2Request else "serialization") for m in models]
+    requests = (
+        ChatCompletionV2Request,
+        CompletionRequest,
+        CompletionSyncV1Request,
+        CompletionStreamV1Request,
+    )
+    keyed = [(m, "validation" if m in requests else "serialization") for m in models]
     _, top = models_json_schema(keyed, ref_template=_REF)  # type: ignore[arg-type]
     return dict(top.get("$defs", {}))
 
 
+# Query parameters a route cannot do without (Scale's routes name the model in the query).
+_REQUIRED_QUERY = {"model_endpoint_name"}
+
+
 def _query(name: str, schema: dict[str, Any]) -> dict[str, Any]:
-    param = {"name": name, "in": "query", "required": False, "schema": schema}
+    param = {"name": name, "in": "query", "required": name in _REQUIRED_QUERY, "schema": schema}
     if schema.get("type") == "object":  # sent as name[key]=value
         param.update(style="deepObject", explode=True)
     return param
@@ -320,7 +425,8 @@ def _operation(route: Route) -> dict[str, Any]:
     op: dict[str, Any] = {
         "summary": summary,
         "operationId": f"{method}_{route[1].strip('/').replace('/', '_').replace('{', '').replace('}', '')}",
-        "security": [{"bearer": []}],
+        # The key as a bearer token, or as the user name of HTTP Basic (Scale's client).
+        "security": [{"bearer": []}, {"basic": []}],
         "parameters": [{"name": p, "in": "path", "required": True, "schema": _TEXT} for p in path_params]
         + [_query(q, schema) for q, schema in query_params],
         "responses": {},
@@ -363,7 +469,10 @@ def spec() -> dict[str, Any]:
         "paths": paths,
         "components": {
             "schemas": _schemas(),
-            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+            "securitySchemes": {
+                "bearer": {"type": "http", "scheme": "bearer"},
+                "basic": {"type": "http", "scheme": "basic"},
+            },
         },
     }
 

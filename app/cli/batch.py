@@ -56,9 +56,21 @@ def download(client: LlmqClient, batch: dict[str, Any], stem: Path) -> list[Path
     return written
 
 
+def endpoint_of(path: Path) -> str:
+    """The batch's endpoint: the first line's `url` (OpenAI requires every line's to be the
+    batch's; the server says which line differs), else chat completions."""
+    with path.open("rb") as f:
+        first = f.readline()
+    try:
+        url = json.loads(first).get("url")
+    except (ValueError, AttributeError):
+        url = None
+    return url if isinstance(url, str) and url else "/v1/chat/completions"
+
+
 def submit(client: LlmqClient, path: Path, *, window: str, wait: bool) -> dict[str, Any]:
     uploaded = client.upload_batch_file(path)
-    batch = client.create_batch(uploaded["id"], window=window)
+    batch = client.create_batch(uploaded["id"], window=window, endpoint=endpoint_of(path))
     print(f"uploaded {path} as {uploaded['id']} ({uploaded['bytes']} bytes); batch {batch['id']}")
     if not wait:
         return batch

@@ -7,26 +7,27 @@ import json
 from typing import Any
 
 from app.errors import InvalidRequest
-from app.schemas.chat import ChatCompletionV2Request
+from app.schemas.text_completion import CompletionRequest, JobRequest
 
 
-def completion_budget(req: ChatCompletionV2Request, prompt_tokens: int, max_model_len: int) -> int:
+def completion_budget(req: JobRequest, prompt_tokens: int, max_model_len: int) -> int:
     """The completion tokens a prompt of `prompt_tokens` leaves: what the request asked for,
     else the rest of the context. The API checks with its own count, the worker with the
     rendered prompt. Raises InvalidRequest (`context_length_exceeded`) when it does not fit."""
     room = max_model_len - prompt_tokens
+    what = "the messages take" if req.prompt_param == "messages" else "the prompt takes"
     if room < 1:
         raise InvalidRequest(
-            f"This model's maximum context length is {max_model_len} tokens; the messages take "
+            f"This model's maximum context length is {max_model_len} tokens; {what} "
             f"{prompt_tokens} tokens, leaving no room for the completion",
-            param="messages",
+            param=req.prompt_param,
             code="context_length_exceeded",
         )
     asked = req.completion_limit()
     if asked is not None and asked > room:
-        field = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+        field = req.limit_param()
         raise InvalidRequest(
-            f"This model's maximum context length is {max_model_len} tokens; the messages take "
+            f"This model's maximum context length is {max_model_len} tokens; {what} "
             f"{prompt_tokens} and `{field}` asks for {asked} more",
             param=field,
             code="context_length_exceeded",
@@ -39,11 +40,16 @@ def completion_budget(req: ChatCompletionV2Request, prompt_tokens: int, max_mode
 BYTES_PER_TOKEN = 4
 
 
-def estimate_prompt_tokens(req: ChatCompletionV2Request) -> int:
+def estimate_prompt_tokens(req: JobRequest) -> int:
     """Prompt tokens without the model's tokenizer: the UTF-8 bytes of the messages and
     tools as JSON, over 4. English text runs at about 4 bytes a token, and the JSON's keys
     and quotes stand in for the chat template's own tokens; text in scripts that tokenize
     densely (CJK, digits) can take more than the estimate."""
+    if isinstance(req, CompletionRequest):
+        prompt = req.single_prompt()
+        if isinstance(prompt, list):
+            return len(prompt)
+        return -(-len(prompt.encode("utf-8")) // BYTES_PER_TOKEN)
     parts: list[Any] = [m.model_dump(mode="json", exclude_none=True) for m in req.messages]
     if req.tools:
         parts.append([t.model_dump(mode="json", exclude_none=True) for t in req.tools])
@@ -51,9 +57,7 @@ def estimate_prompt_tokens(req: ChatCompletionV2Request) -> int:
     return -(-size // BYTES_PER_TOKEN)
 
 
-def line_tokens(
-    req: ChatCompletionV2Request, prompt_tokens: int, max_model_len: int | None, fallback: int
-) -> int:
+def line_tokens(req: JobRequest, prompt_tokens: int, max_model_len: int | None, fallback: int) -> int:
     """A batch line's figure against its tenant's batch token budget: its prompt tokens
     plus the completion tokens it may generate: what it asked for (`max_completion_tokens`
     or `max_tokens`), else the rest of the context when the context length is known, else

@@ -187,3 +187,11 @@ class ChatRenderer:
             job = SandboxJob(req.chat_template, call.messages, call.kwargs, add_special)
             return self._sandbox.render(job, param=param)
         return list(self.tokenizer.encode(self._apply(call), add_special_tokens=add_special))
+
+    def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        """A text completion's prompt ids: the text as the tokenizer reads it, no template."""
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, token_ids: list[int]) -> str:
+        """The text of token ids (a token-id prompt, echoed)."""
+        return str(self.tokenizer.decode(token_ids))

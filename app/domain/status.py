@@ -22,6 +22,9 @@ class JobStatus(StrEnum):
 class JobKind(StrEnum):
     CHAT = "chat"
     BENCH = "bench"
+    # A text completion (`POST /v1/completions`, Scale's `/v1/llm/completions-*`): the
+    # request is app/schemas/text_completion.py's `CompletionRequest`, no chat template.
+    COMPLETION = "completion"
 
 
 class FilePurpose(StrEnum):

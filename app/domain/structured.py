@@ -24,6 +24,7 @@ from typing import Any, Generic, TypeVar
 from app.domain.tools import ToolPlan
 from app.errors import InvalidRequest
 from app.schemas.chat import ChatCompletionV2Request, ResponseFormatJsonObject, ResponseFormatJsonSchema
+from app.schemas.text_completion import CompletionRequest
 from app.settings import Settings
 
 
@@ -92,7 +93,7 @@ def constraint(req: ChatCompletionV2Request, plan: ToolPlan) -> dict[str, Any] |
     return found.kwargs if found is not None else None
 
 
-def constraint_of(req: ChatCompletionV2Request, plan: ToolPlan) -> Constraint | None:
+def constraint_of(req: ChatCompletionV2Request | CompletionRequest, plan: ToolPlan) -> Constraint | None:
     """`constraint`, with the field it came from (for errors that name it)."""
     # (field for the "only one" error, field a problem with it is reported on, kwargs)
     found: list[tuple[str, str, dict[str, Any]]] = []

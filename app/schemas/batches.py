@@ -10,8 +10,10 @@ from app.domain.line_order import LineOrder
 from app.domain.metadata import JSON_SCHEMA as METADATA_SCHEMA
 from app.schemas.base import WireModel
 from app.schemas.chat import ChatCompletionV2Request
+from app.schemas.text_completion import CompletionRequest
 
-BATCH_ENDPOINTS = ("/v1/chat/completions", "/v2/chat/completions")
+TEXT_COMPLETIONS_URL = "/v1/completions"
+BATCH_ENDPOINTS = ("/v1/chat/completions", "/v2/chat/completions", TEXT_COMPLETIONS_URL)
 
 
 class BatchInputLine(WireModel):
@@ -22,6 +24,18 @@ class BatchInputLine(WireModel):
     url: str
     body: ChatCompletionV2Request
 
+
+class TextBatchInputLine(WireModel):
+    """One line of an input file for `/v1/completions`: its body is a text completion."""
+
+    custom_id: str = Field(min_length=1, max_length=512)
+    method: Literal["POST"]
+    url: Literal["/v1/completions"]
+    body: CompletionRequest
+
+
+# An object storage path (app/services/object_store.py): s3://, a bucket name, a key.
+OBJECT_PATH_PATTERN = r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]/[^\x00]+$"
 
 MIN_EXPIRY_SECONDS = 3600
 MAX_EXPIRY_SECONDS = 30 * 24 * 3600
@@ -89,12 +103,26 @@ COMPLETION_WINDOW_PATTERN = (
 
 
 class BatchCreate(WireModel):
-    input_file_id: str = Field(min_length=1, max_length=128, pattern=r"^[^\x00]+$")
+    input_file_id: str = Field(
+        min_length=1,
+        max_length=1100,
+        pattern=r"^[^\x00]+$",
+        description="An uploaded file's id, or an `s3://bucket/key` JSONL object in a bucket this "
+        "tenant may use (read into a new input file when the batch is created).",
+    )
     endpoint: str = Field(json_schema_extra={"enum": list(BATCH_ENDPOINTS)})
     # From 1h to 7d; checked (with a message naming the range) by the service.
     completion_window: str = Field(max_length=16, json_schema_extra={"pattern": COMPLETION_WINDOW_PATTERN})
     metadata: dict[str, str] | None = Field(default=None, json_schema_extra=METADATA_SCHEMA)
     output_expires_after: ExpiresAfter | None = None
+    # llmq's extension.
+    x_output_data_path: str | None = Field(
+        default=None,
+        max_length=1100,
+        json_schema_extra={"pattern": OBJECT_PATH_PATTERN},
+        description="An `s3://bucket/key` the batch's output is written to when it ends: every line "
+        "in input order, as output file lines (JSONL).",
+    )
     # llmq's extension: "prefix" (default) runs lines sharing a prompt prefix together;
     # "input" sends them in file order (app/domain/line_order.py).
     x_line_order: LineOrder = LineOrder.PREFIX
@@ -161,6 +189,12 @@ class BatchObject(WireModel):
     x_parent_batch_id: str | None = None
     # The X-Request-ID of the request that created the batch (its lines carry it too).
     x_request_id: str | None = None
+    # Object storage: where the input was read from and the output goes, and how its export
+    # ended (the time it was written, or the error that stopped it).
+    x_input_data_path: str | None = None
+    x_output_data_path: str | None = None
+    x_output_exported_at: int | None = None
+    x_output_export_error: dict[str, Any] | None = None
     x_line_order: LineOrder = LineOrder.PREFIX
 
 

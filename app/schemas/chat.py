@@ -3,7 +3,7 @@ by `app.services.contract`, not here: this module only says what is well formed.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field
 
@@ -216,6 +216,9 @@ class WebSearchOptions(WireModel):
 class ChatCompletionV2Request(WireModel):
     """Scale Launch's `ChatCompletionV2Request`, field for field."""
 
+    # The field a prompt over the context is reported on.
+    prompt_param: ClassVar[str] = "messages"
+
     # OpenAI fields.
     messages: list[Message] = Field(min_length=1)
     model: str = Field(min_length=1, max_length=256)
@@ -291,6 +294,10 @@ class ChatCompletionV2Request(WireModel):
     def completion_limit(self) -> int | None:
         """`max_completion_tokens` wins over the deprecated `max_tokens`."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def limit_param(self) -> str:
+        """The field `completion_limit` came from, for errors that name it."""
+        return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
 
     def effective_priority(self) -> int:
         return self.priority or 0

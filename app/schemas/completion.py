@@ -1,9 +1,9 @@
 """Response shapes: the completion (seeds 003/004), the chunk (seed 001), the bench
-response with its statistics (seed 000)."""
+response with its statistics (seed 000), and the text completion and its chunk."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
@@ -124,6 +124,46 @@ class ChatCompletionChunk(WireModel):
     service_tier: str | None = None
 
 
+# --- text completions (`POST /v1/completions`) ---------------------------------------
+
+TextFinishReason = Literal["stop", "length", "content_filter", "error"]
+
+
+class TextLogprobs(WireModel):
+    """openai-python's `completion_choice.Logprobs`."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class TextChoice(WireModel):
+    """`CompletionChoice`."""
+
+    index: int
+    text: str
+    logprobs: TextLogprobs | None = None
+    finish_reason: TextFinishReason | None = None
+
+
+class TextCompletion(WireModel):
+    """`Completion` (`object: "text_completion"`)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[TextChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class TextCompletionChunk(TextCompletion):
+    """A streamed piece: the same object with the new text of each choice that moved; the
+    last chunk of a stream that asked for `include_usage` has `choices: []` and `usage`."""
+
+
 class PeakMemoryUsage(WireModel):
     inBytes: int = 0  # noqa: N815 - the seed's spelling
 
@@ -161,7 +201,8 @@ class BenchChatCompletion(ChatCompletion):
 
 
 class RecordedStream(WireModel):
-    """Seed 002: every chunk of a job's stream, and its usage once it ended."""
+    """Seed 002: every chunk of a job's stream, and its usage once it ended. A text
+    completion job's chunks are `text_completion` objects."""
 
-    events: list[ChatCompletionChunk]
+    events: list[Annotated[ChatCompletionChunk | TextCompletionChunk, Field(discriminator="object")]]
     usage: Usage | None = None

@@ -52,6 +52,14 @@ class JobObject(WireModel):
     metadata: dict[str, Any] | None = None
     # The X-Request-ID of the request that created the job (a batch line: its batch's).
     request_id: str | None = None
+    queue_wait_seconds: float | None = Field(
+        default=None, description="Seconds from the job's creation to its first claim by a worker."
+    )
+    ttft_seconds: float | None = Field(
+        default=None,
+        description="Seconds from the job's submission to the engine to its first token; null without one.",
+    )
+    e2e_seconds: float | None = Field(default=None, description="Seconds from the job's creation to its end.")
 
 
 class JobList(WireModel):

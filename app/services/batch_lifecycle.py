@@ -12,14 +12,14 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import select, text, update
+from sqlalchemy import exists, select, text, update
 
 from app.db import Database
 from app.domain.status import BatchStatus, FilePurpose, JobStatus
 from app.events import JobEvents
 from app.ids import new_id
 from app.liveness import OUT_BY_TENANT, OWED_BY_TENANT, OWED_MODELS, TAKE_OWED, owed_order
-from app.models import Batch, File
+from app.models import Batch, File, Job
 from app.queue import JobQueue
 from app.services import webhook_outbox
 from app.services.batch_output import output_lines
@@ -141,6 +141,12 @@ class BatchLifecycle:
                         Batch.status == BatchStatus.IN_PROGRESS.value,
                         Batch.expires_at < now,
                         Batch.expired_at.is_(None),
+                        # A batch whose every line ended before this sweep is completed,
+                        # not expired: its window passed with nothing left to end.
+                        exists().where(
+                            Job.batch_id == Batch.id,
+                            Job.status.in_((JobStatus.QUEUED.value, JobStatus.RUNNING.value)),
+                        ),
                     )
                 )
             )

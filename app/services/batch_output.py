@@ -1,5 +1,6 @@
 """A batch's output and error files, rendered from its job rows (OpenAI's
-`BatchRequestOutput` lines, one per job, in input order)."""
+`BatchRequestOutput` lines, one per job, in input order), and the same output as llm-engine
+writes it (one JSON array) for exports to object storage."""
 
 from __future__ import annotations
 
@@ -11,12 +12,20 @@ from sqlalchemy import select
 
 from app.db import Database
 from app.domain.status import JobStatus
-from app.errors import error_body, line_error
+from app.errors import error_body, error_object, line_error
 from app.models import Job
 from app.schemas.batches import BatchOutputLine, OutputError, OutputResponse
 from app.services.batch_transitions import LINE_ERRORS
 
 DOWNLOAD_PAGE_ROWS = 1000
+
+
+ENDED = [
+    JobStatus.SUCCEEDED.value,
+    JobStatus.FAILED.value,
+    JobStatus.CANCELLED.value,
+    JobStatus.EXPIRED.value,
+]
 
 
 def part_statuses(part: str) -> list[str]:
@@ -26,14 +35,12 @@ def part_statuses(part: str) -> list[str]:
     return [JobStatus.FAILED.value, JobStatus.CANCELLED.value, JobStatus.EXPIRED.value]
 
 
-def output_lines(
-    db: Database, batch_id: str, part: str, *, page: int = DOWNLOAD_PAGE_ROWS
-) -> Iterator[bytes]:
-    """The batch's output (`part` "output": succeeded lines) or error file ("errors": the
-    rest), generated from its job rows in input order. Read in pages of `page` rows, each
-    its own short query (keyset on the line number), so a slow reader holds no pooled
-    connection between pages."""
-    statuses = part_statuses(part)
+def line_rows(
+    db: Database, batch_id: str, statuses: list[str], *, page: int = DOWNLOAD_PAGE_ROWS
+) -> Iterator[Any]:
+    """The batch's job rows in `statuses`, in input order: (line_no, id, custom_id, status,
+    response, error). Read in pages of `page` rows, each its own short query (keyset on the
+    line number), so a slow reader holds no pooled connection between pages."""
     after = -1
     while True:
         q = (
@@ -44,11 +51,43 @@ def output_lines(
         )
         with db.engine.connect() as conn:
             rows = conn.execute(q).all()
-        for row in rows:
-            yield (json.dumps(output_line(*row[1:]), ensure_ascii=False) + "\n").encode("utf-8")
+        yield from rows
         if len(rows) < page:
             return
         after = rows[-1].line_no
+
+
+def output_lines(
+    db: Database, batch_id: str, part: str, *, page: int = DOWNLOAD_PAGE_ROWS
+) -> Iterator[bytes]:
+    """The batch's output (`part` "output": succeeded lines) or error file ("errors": the
+    rest), generated from its job rows in input order; "all": every ended line."""
+    statuses = ENDED if part == "all" else part_statuses(part)
+    for row in line_rows(db, batch_id, statuses, page=page):
+        yield (json.dumps(output_line(*row[1:]), ensure_ascii=False) + "\n").encode("utf-8")
+
+
+def engine_items(db: Database, batch_id: str, *, page: int = DOWNLOAD_PAGE_ROWS) -> Iterator[bytes]:
+    """llm-engine's batch output: one JSON array, an item per line in input order
+    (`engine_item`), generated a line at a time."""
+    yield b"["
+    for number, row in enumerate(line_rows(db, batch_id, ENDED, page=page)):
+        item = json.dumps(engine_item(row.status, row.response, row.error), ensure_ascii=False)
+        yield (("," if number else "") + item).encode("utf-8")
+    yield b"]"
+
+
+def engine_item(status: str, response: Any, error: Any) -> Any:
+    """A succeeded line's completion; an error object (`{message, type, param, code}`) where
+    the line failed, was cancelled or expired; null where no result is kept (its text has
+    expired, app/services/expiry.py), as llm-engine writes null for a request without one."""
+    if status == JobStatus.SUCCEEDED.value:
+        return response or None
+    if status in LINE_ERRORS:
+        code, message = LINE_ERRORS[status]
+        return error_object(message, "invalid_request_error", code=code)
+    body = error or error_body("the request failed", "api_error")
+    return body.get("error")
 
 
 def output_line(job_id: str, custom_id: str, status: str, response: Any, error: Any) -> dict[str, Any]:

@@ -11,10 +11,11 @@ from sqlalchemy import select, text, update
 
 from app.db import Database
 from app.domain.line_order import PREFIX_KEY_SQL, prefix_order
-from app.domain.status import BatchStatus, JobStatus
+from app.domain.status import BatchStatus, JobKind, JobStatus
 from app.errors import error_body, error_object, line_error
 from app.events import JobEvents, end_event
 from app.models import Batch, Tenant
+from app.schemas.batches import TEXT_COMPLETIONS_URL
 from app.services import webhook_outbox
 from app.services.budgets import LINE_TOKENS
 from app.services.priority import PriorityBand
@@ -34,7 +35,8 @@ _CREATE_JOBS = text(
     INSERT INTO jobs (id, tenant_id, kind, status, priority, model, request, metadata, attempts, epoch,
                       created_at, enqueued_at, batch_id, deadline_at, custom_id, line_no, budget_tokens,
                       request_id, prefix_key)
-    SELECT 'job_' || :suffix || '_' || lpad(fl.line_no::text, 6, '0'), :tenant, 'chat', 'queued',
+    SELECT 'job_' || :suffix || '_' || lpad(fl.line_no::text, 6, '0'), :tenant,
+           CASE WHEN (fl.raw::json)->>'url' = :text_url THEN :text_kind ELSE :chat_kind END, 'queued',
            coalesce((b->>'priority')::numeric::int, :default_priority), b->>'model', b, b->'metadata', 0, 0,
            now(), NULL,
            :batch, :deadline, fl.custom_id, fl.line_no, {LINE_TOKENS}, :request_id, {PREFIX_KEY_SQL}
@@ -82,6 +84,10 @@ def materialize(db: Database, batch_id: str) -> bool:
                 "deadline": batch.expires_at,
                 "request_id": batch.request_id,
                 "prefix_order": prefix_order(batch.line_order),
+                # A `/v1/completions` line is a text completion job.
+                "text_url": TEXT_COMPLETIONS_URL,
+                "text_kind": JobKind.COMPLETION.value,
+                "chat_kind": JobKind.CHAT.value,
             },
         )
         batch.status = BatchStatus.IN_PROGRESS.value

@@ -7,7 +7,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
+from enum import StrEnum
 from typing import Any, cast
 
 from sqlalchemy import select, text, update
@@ -47,6 +50,8 @@ from app.services.budgets import check_batch_tokens
 from app.services.idempotency import IdempotencyKey, IdempotencyLocks, find_replay
 from app.services.keys import Principal
 from app.services.metadata import has_metadata
+from app.services.object_inputs import ObjectInputs
+from app.services.object_store import ObjectStore, is_object_path
 from app.services.ownership import load_owned
 from app.services.pagination import check_limit, newest_first, page_fields
 from app.services.parsing import parse_model
@@ -111,14 +116,20 @@ class BatchService:
         idempotency_ttl_seconds: int = 24 * 3600,
         max_active_lines_per_tenant: int = 0,
         batch_token_budget: int = 0,
+        submitted: Callable[[str, str, int], None] | None = None,
+        inputs: ObjectInputs | None = None,
     ) -> None:
-        """`batch_token_budget`: the default per tenant and model (app/services/budgets.py)."""
+        """`batch_token_budget`: the default per tenant and model (app/services/budgets.py).
+        `submitted(model, kind, count)` is told of the lines of each batch created (app/metrics.py).
+        `inputs`: reads s3:// inputs and checks s3:// outputs (app/services/object_inputs.py)."""
         self._db = db
         self._events = events
+        self._inputs = inputs
         self._locks = locks
         self._idempotency_ttl = idempotency_ttl_seconds
         self._max_active_lines = max_active_lines_per_tenant
         self._token_budget = batch_token_budget
+        self._submitted = submitted
 
     # --- create -------------------------------------------------------------------------
 
@@ -157,8 +168,59 @@ class BatchService:
             )
         check_metadata(req.metadata)
         seconds = window_seconds(req.completion_window)
+        links = ObjectLinks()
+        if req.x_output_data_path is not None:
+            output = self.objects().resolve(
+                principal.tenant_id, req.x_output_data_path, param="x_output_data_path"
+            )
+            links = ObjectLinks(output_url=str(output), output_format=OutputFormat.JSONL)
+        file_id = req.input_file_id
+        if is_object_path(file_id):
+            imported = self.inputs().import_jsonl(principal, file_id, param="input_file_id")
+            file_id = imported.file.id
+            links = replace(links, input_url=str(imported.path))
+        return self.open_batch(
+            principal,
+            BatchSpec(
+                file_id=file_id,
+                endpoint=req.endpoint,
+                completion_window=req.completion_window,
+                seconds=seconds,
+                metadata=req.metadata,
+                output_expires_after=req.output_expires_after.seconds if req.output_expires_after else None,
+                links=links,
+                line_order=req.x_line_order.value,
+            ),
+            parent=parent,
+            idem=idem,
+        )
+
+    def inputs(self) -> ObjectInputs:
+        """Raises InvalidRequest when this deployment has no object storage configured."""
+        if self._inputs is None:
+            raise InvalidRequest(
+                "object storage is not configured on this deployment", code="no_object_store"
+            )
+        return self._inputs
+
+    def objects(self) -> ObjectStore:
+        return self.inputs().store
+
+    def open_batch(
+        self,
+        principal: Principal,
+        spec: BatchSpec,
+        *,
+        parent: str | None = None,
+        idem: IdempotencyKey | None = None,
+    ) -> BatchObject:
+        """A batch over an input file this tenant owns: its lines checked against the
+        endpoint, the tenant's priority band, line cap and token budget, then made jobs.
+
+        Raises: as `create`.
+        """
         with self._db.session() as s:
-            f = load_owned(s, File, req.input_file_id, principal.tenant_id, param="input_file_id")
+            f = load_owned(s, File, spec.file_id, principal.tenant_id, param="input_file_id")
             if f.purpose != FilePurpose.BATCH.value:
                 raise InvalidRequest(
                     f"file {f.id} has purpose {f.purpose!r}, not 'batch'", param="input_file_id"
@@ -168,12 +230,12 @@ class BatchService:
                     "SELECT line_no, (raw::json)->>'url' FROM file_lines "
                     "WHERE file_id = :f AND (raw::json)->>'url' <> :u LIMIT 1"
                 ),
-                {"f": f.id, "u": req.endpoint},
+                {"f": f.id, "u": spec.endpoint},
             ).first()
             if urls is not None:
                 raise InvalidRequest(
                     f"line {urls[0]} of the file asks for {urls[1]!r}, "
-                    f"not the batch's endpoint {req.endpoint!r}",
+                    f"not the batch's endpoint {spec.endpoint!r}",
                     param="endpoint",
                 )
             band = principal.priority
@@ -187,19 +249,23 @@ class BatchService:
             batch = Batch(
                 id=new_id("batch"),
                 tenant_id=principal.tenant_id,
-                endpoint=req.endpoint,
+                endpoint=spec.endpoint,
                 input_file_id=f.id,
-                completion_window=req.completion_window,
+                completion_window=spec.completion_window,
                 status=BatchStatus.VALIDATING.value,
-                metadata_=req.metadata,
-                output_expires_after=req.output_expires_after.seconds if req.output_expires_after else None,
-                line_order=req.x_line_order.value,
+                metadata_=spec.metadata,
+                output_expires_after=spec.output_expires_after,
+                input_url=spec.links.input_url,
+                output_url=spec.links.output_url,
+                output_format=spec.links.output_format,
+                client_request=spec.links.client_request,
+                line_order=spec.line_order,
                 total=f.line_count,
                 parent_batch_id=parent,
                 idempotency_key=idem.key if idem else None,
                 request_hash=idem.fingerprint if idem else None,
                 created_at=now,
-                expires_at=now + timedelta(seconds=seconds),
+                expires_at=now + timedelta(seconds=spec.seconds),
                 request_id=current_request_id(),
             )
             s.add(batch)
@@ -215,7 +281,10 @@ class BatchService:
         log.info(
             "batch created", extra={"batch_id": batch.id, "lines": batch.total, "tenant": principal.tenant_id}
         )
-        return self.get(principal, batch.id)
+        created = self.get(principal, batch.id)
+        if self._submitted is not None and created.model is not None:
+            self._submitted(created.model, "batch_line", batch.total)
+        return created
 
     # --- read ---------------------------------------------------------------------------
 
@@ -343,16 +412,52 @@ class BatchService:
                 ),
                 {"n": copied, "new": file_id},
             )
-        payload: dict[str, Any] = {
-            "input_file_id": file_id,
-            "endpoint": batch.endpoint,
-            "completion_window": batch.completion_window,
-            "metadata": batch.metadata_,
-            "x_line_order": batch.line_order,
-        }
-        if batch.output_expires_after is not None:
-            payload["output_expires_after"] = {"anchor": "created_at", "seconds": batch.output_expires_after}
-        return self.create(principal, payload, parent=batch_id)
+        # The child runs as long as its parent was given (an llm-engine batch's window is
+        # its max_runtime_sec, which need not be a whole number of minutes).
+        return self.open_batch(
+            principal,
+            BatchSpec(
+                file_id=file_id,
+                endpoint=batch.endpoint,
+                completion_window=batch.completion_window,
+                seconds=int((batch.expires_at - batch.created_at).total_seconds()),
+                metadata=batch.metadata_,
+                output_expires_after=batch.output_expires_after,
+                line_order=batch.line_order,
+            ),
+            parent=batch_id,
+        )
+
+
+class OutputFormat(StrEnum):
+    """How a batch's output is written to object storage (app/services/batch_export.py)."""
+
+    JSONL = "jsonl"  # OpenAI output lines, every line in input order
+    JSON_ARRAY = "json_array"  # llm-engine's: one JSON array, a body or an error per line
+
+
+@dataclass(frozen=True)
+class ObjectLinks:
+    """A batch's ties to object storage, and what an llm-engine client sent beside its lines."""
+
+    input_url: str | None = None
+    output_url: str | None = None
+    output_format: str | None = None
+    client_request: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class BatchSpec:
+    """A batch to open over an input file: `seconds` from now is its deadline."""
+
+    file_id: str
+    endpoint: str
+    completion_window: str
+    seconds: int
+    metadata: dict[str, str] | None = None
+    output_expires_after: int | None = None
+    links: ObjectLinks = field(default_factory=ObjectLinks)
+    line_order: str = LineOrder.PREFIX.value  # app/domain/line_order.py
 
 
 def to_batch_object(batch: Batch, counts: Any, model: str | None) -> BatchObject:
@@ -409,5 +514,9 @@ def to_batch_object(batch: Batch, counts: Any, model: str | None) -> BatchObject
         x_estimated_seconds_left=eta,
         x_parent_batch_id=batch.parent_batch_id,
         x_request_id=batch.request_id,
+        x_input_data_path=batch.input_url,
+        x_output_data_path=batch.output_url,
+        x_output_exported_at=unix_time(batch.exported_at),
+        x_output_export_error=batch.export_error,
         x_line_order=LineOrder(batch.line_order),
     )

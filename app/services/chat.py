@@ -74,20 +74,26 @@ class ChatService:
         if not self._streams.wait_for_end(principal, job.id, self._wait):
             return ChatResult(pending=self._jobs.get(principal, job.id), job_id=job.id)
         done = self._jobs.get(principal, job.id)
-        return ChatResult(completion=self._completion(done, bench=bench), job_id=job.id)
+        return ChatResult(completion=finished_body(done, bench=bench), job_id=job.id)
 
-    @staticmethod
-    def _completion(job: JobObject, *, bench: bool) -> dict[str, Any]:
-        if job.status == JobStatus.SUCCEEDED and job.response is not None:
-            body = dict(job.response)
-            if bench:
-                body["generation_stats"] = job.generation_stats
-                body["power_usage"] = job.power_usage
-            return body
-        if job.status == JobStatus.FAILED and job.error is not None:
-            error = job.error.model_dump()
-            status = 400 if error.get("type") == "invalid_request_error" else 500
-            raise _JobFailed(error, status)
-        if job.status == JobStatus.CANCELLED:
-            raise Conflict(f"job {job.id} was cancelled before it finished", code="job_cancelled")
-        raise EngineError(f"job {job.id} ended {job.status.value} without a result")
+
+def finished_body(job: JobObject, *, bench: bool = False) -> dict[str, Any]:
+    """What a sync endpoint answers for an ended job: its response (with the worker's
+    statistics for `bench`), or its error raised with the status its type implies.
+
+    Raises:
+        LlmqError: the job failed (its own error), was cancelled (409) or ended without a result.
+    """
+    if job.status == JobStatus.SUCCEEDED and job.response is not None:
+        body = dict(job.response)
+        if bench:
+            body["generation_stats"] = job.generation_stats
+            body["power_usage"] = job.power_usage
+        return body
+    if job.status == JobStatus.FAILED and job.error is not None:
+        error = job.error.model_dump()
+        status = 400 if error.get("type") == "invalid_request_error" else 500
+        raise _JobFailed(error, status)
+    if job.status == JobStatus.CANCELLED:
+        raise Conflict(f"job {job.id} was cancelled before it finished", code="job_cancelled")
+    raise EngineError(f"job {job.id} ended {job.status.value} without a result")

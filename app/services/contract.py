@@ -251,25 +251,8 @@ class RequestPolicy:
             )
         if req.top_logprobs and not req.logprobs:
             raise InvalidRequest("`top_logprobs` needs `logprobs: true`", param="top_logprobs")
-        for token, bias in (req.logit_bias or {}).items():
-            if not token.lstrip("-").isdigit() or int(token) < 0:
-                raise InvalidRequest(f"`logit_bias` keys are token ids; got {token!r}", param="logit_bias")
-            if not -LOGIT_BIAS_RANGE <= bias <= LOGIT_BIAS_RANGE:
-                raise InvalidRequest("`logit_bias` values must be between -100 and 100", param="logit_bias")
-        if vocab is not None:
-            outside = [int(t) for t in req.logit_bias or {} if int(t) >= vocab]
-            if outside:
-                raise InvalidRequest(
-                    f"`logit_bias` has token ids outside the vocabulary ({vocab} tokens): {outside[:8]}",
-                    param="logit_bias",
-                )
-        outside = [t for t in req.stop_token_ids or [] if t < 0 or (vocab is not None and t >= vocab)]
-        if outside:
-            raise InvalidRequest(
-                f"`stop_token_ids` has token ids outside the vocabulary"
-                f"{f' ({vocab} tokens)' if vocab is not None else ''}: {outside[:8]}",
-                param="stop_token_ids",
-            )
+        check_logit_bias(req.logit_bias, vocab)
+        check_token_ids(req.stop_token_ids, vocab, "stop_token_ids")
         if (
             req.min_tokens is not None
             and (limit := req.completion_limit()) is not None
@@ -397,6 +380,35 @@ class RequestPolicy:
         count = self._models.prompt_counter(model)
         if count is not None:
             completion_budget(req, count(req), model.max_model_len)
+
+
+def check_logit_bias(bias: dict[str, float] | None, vocab: int | None) -> None:
+    """Raises InvalidRequest when a key is not a token id of the vocabulary (`vocab`
+    tokens, when known) or a value is outside -100..100."""
+    for token, value in (bias or {}).items():
+        if not token.lstrip("-").isdigit() or int(token) < 0:
+            raise InvalidRequest(f"`logit_bias` keys are token ids; got {token!r}", param="logit_bias")
+        if not -LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE:
+            raise InvalidRequest("`logit_bias` values must be between -100 and 100", param="logit_bias")
+    if vocab is not None:
+        outside = [int(t) for t in bias or {} if int(t) >= vocab]
+        if outside:
+            raise InvalidRequest(
+                f"`logit_bias` has token ids outside the vocabulary ({vocab} tokens): {outside[:8]}",
+                param="logit_bias",
+            )
+
+
+def check_token_ids(ids: list[int] | None, vocab: int | None, param: str) -> None:
+    """Raises InvalidRequest naming `param` when a token id is negative or, with the
+    vocabulary size known, outside it."""
+    outside = [t for t in ids or [] if t < 0 or (vocab is not None and t >= vocab)]
+    if outside:
+        raise InvalidRequest(
+            f"`{param}` has token ids outside the vocabulary"
+            f"{f' ({vocab} tokens)' if vocab is not None else ''}: {outside[:8]}",
+            param=param,
+        )
 
 
 def model_not_found(name: str, served: frozenset[str]) -> NotFound:

@@ -10,11 +10,12 @@ An input line is kept as uploaded, so downloading the file gives back the same b
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime, timedelta
 from typing import IO, Any
 
 from pydantic import ValidationError
+from pydantic_core import from_json
 from sqlalchemy import delete, func, select
 
 from app.db import Database
@@ -25,14 +26,17 @@ from app.models import Batch, File, FileLine
 from app.schemas.base import unix_time
 from app.schemas.batches import (
     BATCH_ENDPOINTS,
+    TEXT_COMPLETIONS_URL,
     BatchInputLine,
     BatchLineError,
     FileDeleted,
     FileList,
     FileObject,
     FileUploadOptions,
+    TextBatchInputLine,
 )
 from app.services.batch_output import DOWNLOAD_PAGE_ROWS, output_lines
+from app.services.completion_contract import CompletionPolicy
 from app.services.contract import RequestPolicy
 from app.services.keys import Principal
 from app.services.ownership import load_owned
@@ -71,11 +75,21 @@ def to_file_object(f: File) -> FileObject:
     )
 
 
+_TEXT_URL = f'"{TEXT_COMPLETIONS_URL}"'.encode()
+
+
 class LineChecker:
     """Validates input lines one at a time, remembering custom_ids to catch repeats."""
 
-    def __init__(self, policy: RequestPolicy, *, max_depth: int = 64) -> None:
+    def __init__(
+        self,
+        policy: RequestPolicy,
+        *,
+        completion_policy: CompletionPolicy | None = None,
+        max_depth: int = 64,
+    ) -> None:
         self._policy = policy
+        self._completion_policy = completion_policy
         self._max_depth = max_depth
         self._seen: set[str] = set()
         self.endpoints: set[str] = set()
@@ -88,7 +102,7 @@ class LineChecker:
         except UnicodeDecodeError as exc:
             raise InvalidRequest(f"not valid UTF-8 at byte {exc.start}", code="invalid_utf8") from exc
         try:
-            line = BatchInputLine.model_validate_json(text)
+            line: BatchInputLine | TextBatchInputLine = self._line_model(raw).model_validate_json(text)
         except ValidationError as exc:
             first = exc.errors(include_url=False, include_input=False)[0]
             kind = str(first.get("type"))
@@ -124,14 +138,32 @@ class LineChecker:
             )
         try:
             # The same bounds as a single job; a prompt over the context only fails its own line.
-            self._policy.check(line.body, count_tokens=False)
+            if isinstance(line, TextBatchInputLine):
+                assert self._completion_policy is not None  # _line_model picks it only then
+                self._completion_policy.check(line.body, count_tokens=False)
+                tokens = self._completion_policy.budget_tokens(line.body)
+            else:
+                self._policy.check(line.body, count_tokens=False)
+                tokens = self._policy.budget_tokens(line.body)
         except LlmqError as exc:
             raise InvalidRequest(
                 exc.message, param=f"body.{exc.param}" if exc.param else "body", code=exc.code
             ) from exc
         self._seen.add(line.custom_id)
         self.endpoints.add(line.url)
-        return line.custom_id, text, self._policy.budget_tokens(line.body)
+        return line.custom_id, text, tokens
+
+    def _line_model(self, raw: bytes) -> type[BatchInputLine] | type[TextBatchInputLine]:
+        """A `/v1/completions` line's body is a text completion; every other line's a chat
+        request. Only a line that holds that url at all pays a second parse to tell."""
+        if self._completion_policy is None or _TEXT_URL not in raw:
+            return BatchInputLine
+        try:
+            parsed = from_json(raw)
+        except ValueError:
+            return BatchInputLine  # reported, with its column, by the line model's own parse
+        url = parsed.get("url") if isinstance(parsed, dict) else None
+        return TextBatchInputLine if url == TEXT_COMPLETIONS_URL else BatchInputLine
 
     def _strict_error(self, raw: bytes) -> InvalidRequest | None:
         """What the request body parser says about the line, naming the field that holds a
@@ -177,9 +209,17 @@ def bounded_lines(stream: IO[bytes], limit: int) -> Iterator[bytes]:
 
 
 class FileService:
-    def __init__(self, db: Database, policy: RequestPolicy, settings: Settings) -> None:
+    def __init__(
+        self,
+        db: Database,
+        policy: RequestPolicy,
+        settings: Settings,
+        *,
+        completion_policy: CompletionPolicy | None = None,
+    ) -> None:
         self._db = db
         self._policy = policy
+        self._completion_policy = completion_policy
         self._settings = settings
 
     def upload(
@@ -205,10 +245,33 @@ class FileService:
         if "\x00" in filename:
             raise InvalidRequest("the file name holds a NUL character (U+0000)", param="file")
         expiry = parse_model(FileUploadOptions, options or {}).expires_after
-        checker = LineChecker(self._policy, max_depth=self._settings.max_json_depth)
+        lines = bounded_lines(stream, self._settings.max_line_bytes)
+        return self.store_lines(
+            principal, lines, filename, purpose, expires_in=expiry.seconds if expiry else None
+        )
+
+    def store_lines(
+        self,
+        principal: Principal,
+        raw_lines: Iterable[bytes],
+        filename: str,
+        purpose: str = FilePurpose.BATCH.value,
+        *,
+        expires_in: int | None = None,
+    ) -> FileObject:
+        """Check and store an input file given as its lines (each at most
+        LLMQ_MAX_LINE_BYTES, as `bounded_lines` yields them), consumed one at a time.
+
+        Raises:
+            UploadRejected: bad lines, every one reported with its number; nothing stored.
+            PayloadTooLarge: over the byte or line limit.
+        """
+        checker = LineChecker(
+            self._policy, completion_policy=self._completion_policy, max_depth=self._settings.max_json_depth
+        )
         file_id = new_id("file")
         created = datetime.now(UTC)
-        expires = created + timedelta(seconds=expiry.seconds) if expiry else None
+        expires = created + timedelta(seconds=expires_in) if expires_in is not None else None
         errors: list[BatchLineError] = []
         total = lines = 0
         raw_conn: Any = self._db.engine.raw_connection()
@@ -223,9 +286,7 @@ class FileService:
                 with conn.cursor().copy(
                     "COPY file_lines (file_id, line_no, custom_id, raw, tokens) FROM STDIN"
                 ) as copy:
-                    for number, raw in enumerate(
-                        bounded_lines(stream, self._settings.max_line_bytes), start=1
-                    ):
+                    for number, raw in enumerate(raw_lines, start=1):
                         total += len(raw)
                         if total > self._settings.max_upload_bytes:
                             raise PayloadTooLarge(f"the file is over {self._settings.max_upload_bytes} bytes")

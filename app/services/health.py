@@ -130,6 +130,10 @@ class HealthService:
         checks["workers"] = {"ok": bool(consuming), "consuming": len(consuming), "per_model": per_model}
         if details:
             checks["workers"]["workers"] = [
-                {k: w.get(k) for k in ("name", "model", "inflight", "capacity", "engine")} for w in workers
+                {
+                    k: w.get(k)
+                    for k in ("name", "model", "inflight", "capacity", "engine", "host", "metrics_port")
+                }
+                for w in workers
             ]
         return Readiness(all(c["ok"] for c in checks.values()), checks)

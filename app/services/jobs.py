@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -20,6 +21,7 @@ from app.request_ids import current_request_id
 from app.schemas.base import unix_time
 from app.schemas.chat import ChatCompletionV2Request
 from app.schemas.jobs import JobList, JobObject
+from app.schemas.text_completion import JobRequest
 from app.services.contract import RequestPolicy
 from app.services.idempotency import IdempotencyKey, IdempotencyLocks, find_replay
 from app.services.keys import Principal
@@ -68,6 +70,9 @@ def to_job_object(job: Job) -> JobObject:
         power_usage=job.power_usage,
         metadata=job.metadata_,
         request_id=job.request_id,
+        queue_wait_seconds=job.queue_wait_seconds,
+        ttft_seconds=job.ttft_seconds,
+        e2e_seconds=job.e2e_seconds,
     )
 
 
@@ -83,7 +88,9 @@ class JobService:
         locks: IdempotencyLocks | None = None,
         idempotency_ttl_seconds: int = 24 * 3600,
         max_active_per_tenant: int = 0,
+        submitted: Callable[[str, str, int], None] | None = None,
     ) -> None:
+        """`submitted(model, kind, count)` is told of each job accepted (app/metrics.py)."""
         self._db = db
         self._queue = queue
         self._events = events
@@ -92,6 +99,7 @@ class JobService:
         self._locks = locks
         self._idempotency_ttl = idempotency_ttl_seconds
         self._max_active = max_active_per_tenant
+        self._submitted = submitted
 
     def validate(self, payload: Any, *, streaming: bool = False) -> ChatCompletionV2Request:
         """Raises:
@@ -108,12 +116,13 @@ class JobService:
     def submit_request(
         self,
         principal: Principal,
-        request: ChatCompletionV2Request,
+        request: JobRequest,
         *,
         kind: JobKind = JobKind.CHAT,
         idem: IdempotencyKey | None = None,
     ) -> JobObject:
-        """Store, then enqueue one validated job. The job is durable before any message
+        """Store, then enqueue one validated job (`kind` says which request it is: a chat
+        completion, or a text completion for `JobKind.COMPLETION`). The job is durable before any message
         names it; if Redis is down the sweeper sends the message once it is back. With an
         idempotency key seen before (same body), the job it made is returned instead.
 
@@ -137,7 +146,7 @@ class JobService:
     def _insert(
         self,
         principal: Principal,
-        request: ChatCompletionV2Request,
+        request: JobRequest,
         kind: JobKind,
         idem: IdempotencyKey | None,
     ) -> JobObject:
@@ -181,6 +190,8 @@ class JobService:
             log.warning(
                 "enqueue failed, the sweeper will resend", extra={"job_id": job.id, "error": str(exc)}
             )
+        if self._submitted is not None:
+            self._submitted(job.model, "single", 1)
         log.info("job accepted", extra={"job_id": job.id, "tenant": principal.tenant_id})
         return to_job_object(job)
 

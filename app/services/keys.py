@@ -100,7 +100,10 @@ class KeyService:
         Unauthorized: no key, unknown key or revoked key (the same message for each).
         """
         if not key:
-            raise Unauthorized("missing API key: send 'Authorization: Bearer <key>'")
+            raise Unauthorized(
+                "missing API key: send 'Authorization: Bearer <key>', "
+                "or HTTP Basic with the key as the user name"
+            )
         with self._db.session() as s:
             row = s.execute(_AUTHENTICATE, {"key_hash": hash_key(key)}).first()
         if row is None:

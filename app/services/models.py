@@ -20,13 +20,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from app.schemas.chat import ChatCompletionV2Request
+from app.schemas.text_completion import JobRequest
 from app.services.model_files import context_length, read_config, vocab_size
 from app.settings import Settings
 
 log = logging.getLogger("llmq.models")
 
-PromptCounter = Callable[[ChatCompletionV2Request], int]
+# A request's prompt tokens: a chat request rendered through its template, a text
+# completion's prompt encoded (app/services/tokenizers.py).
+PromptCounter = Callable[[JobRequest], int]
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,15 @@ def frame(data: Mapping[str, Any], event_id: str) -> str:
     return f"id: {event_id}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
 
 
+def frame_data(text: str) -> str | None:
+    """The `data:` payload of one frame written here (`frame`, `DONE`, the error frames),
+    or None for a frame without one (a heartbeat)."""
+    for line in text.split("\n"):
+        if line.startswith("data: "):
+            return line[len("data: ") :]
+    return None
+
+
 def named_frame(event: str, data: Mapping[str, Any]) -> str:
     """An event with a name (`event:`), for what is not one of the stream's items."""
     return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"

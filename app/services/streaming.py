@@ -24,7 +24,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from app.completions import usage_chunk
 from app.db import Database
-from app.domain.status import JobStatus
+from app.domain.status import JobKind, JobStatus
 from app.errors import Unauthorized, error_object
 from app.events import (
     END_EVENT,
@@ -40,6 +40,7 @@ from app.services.keys import KeyService, Principal
 from app.services.notifier import Notifier
 from app.services.ownership import load_owned
 from app.services.sse import DONE, HEARTBEAT, frame, restarted, revoked
+from app.text_completions import text_usage_chunk
 
 log = logging.getLogger("llmq.stream")
 
@@ -55,6 +56,7 @@ class JobView:
     error: dict[str, Any] | None
     events: list[dict[str, Any]] | None
     include_usage: bool
+    kind: str = JobKind.CHAT.value
 
     @property
     def terminal(self) -> bool:
@@ -130,6 +132,7 @@ class StreamService:
                 error=(job.error or {}).get("error") if job.error else None,
                 events=job.events,
                 include_usage=bool(options.get("include_usage")),
+                kind=job.kind,
             )
 
     def _view_now(self, principal: Principal, view: JobView) -> JobView | None:
@@ -242,7 +245,8 @@ class StreamService:
     def _final(self, view: JobView, event: dict[str, Any], include_usage: bool) -> Iterator[str]:
         eid = str(event["id"])
         if include_usage and event.get("usage"):
-            yield frame(usage_chunk(view.id, view.created, view.model, event["usage"]), eid)
+            build = text_usage_chunk if view.kind == JobKind.COMPLETION.value else usage_chunk
+            yield frame(build(view.id, view.created, view.model, event["usage"]), eid)
         error = event.get("error") or _error_for_status(event.get("status", ""))
         if error:
             yield frame({"error": error}, eid)

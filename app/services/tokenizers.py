@@ -23,8 +23,9 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
+from app.domain.text_prompt import prompt_ids
 from app.domain.tools import plan_tools
-from app.schemas.chat import ChatCompletionV2Request
+from app.schemas.text_completion import CompletionRequest, JobRequest
 from app.services.model_files import has_tokenizer, local_folder
 from app.services.models import PromptCounter, ServedModel
 from app.settings import Settings
@@ -86,7 +87,11 @@ class PromptCounters:
     def _count_with(self, renderer: ChatRenderer) -> PromptCounter:
         parser = self._settings.tool_call_parser
 
-        def count(req: ChatCompletionV2Request) -> int:
+        def count(req: JobRequest) -> int:
+            if isinstance(req, CompletionRequest):
+                # Encoding a long prompt takes a while: off the gevent loop, as a template
+                # render over a large request is.
+                return len(off_loop(lambda: prompt_ids(req, renderer)))
             return len(renderer.render(req, plan_tools(req, auto_parser=parser)))
 
         return count

@@ -4,7 +4,7 @@ the feeder's index with the key before the line number (app/domain/line_order.py
 Lines queued before this revision have no key and keep line order.
 
 Revision ID: 20261201_0019
-Revises: 20261201_0015
+Revises: 20261201_0018
 Create Date: 2026-12-01 12:10:00
 """
 
@@ -16,7 +16,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "20261201_0019"
-down_revision: str | None = "20261201_0015"
+down_revision: str | None = "20261201_0018"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

@@ -170,6 +170,29 @@ def test_a_cancelled_batch_goes_cancelling_then_cancelled_never_finalizing(
     assert final["finalizing_at"] is None and final["cancelled_at"] is not None
 
 
+def test_a_batch_whose_lines_all_ended_before_its_window_closed_is_completed(
+    client: FlaskClient, services: Services, tenant: tuple[str, str]
+) -> None:
+    """The expiry sweep ends batches with lines left to end; one whose last line finished
+    before the sweep saw its window pass is completed, and the other one expires."""
+    _, key = tenant
+    f = upload(client, key, jsonl([line(i) for i in range(3)])).get_json()
+    done, running = (create(client, key, f["id"]).get_json()["id"] for _ in range(2))
+    succeed_all(services, done)
+    with services.db.session() as s:
+        s.execute(
+            text("UPDATE batches SET expires_at = now() - interval '1 second' WHERE id = ANY(:b)"),
+            {"b": [done, running]},
+        )
+    life = lifecycle(services)
+    life.expire_due()
+    life.finalize_done()
+    statuses = {
+        b: client.get(f"/v1/batches/{b}", headers=auth(key)).get_json()["status"] for b in (done, running)
+    }
+    assert statuses == {done: "completed", running: "expired"}
+
+
 def test_a_batch_left_validating_is_taken_up_again(
     client: FlaskClient, services: Services, tenant: tuple[str, str]
 ) -> None:

@@ -130,10 +130,16 @@ def test_cancel_half_way_keeps_the_finished_half(stack: Stack, services) -> None
 
 def test_expiry_keeps_finished_work(stack: Stack, services) -> None:
     client = sdk(stack)
-    uploaded = client.files.create(
-        file=("e.jsonl", io.BytesIO(lines(stack.model, 300, max_tokens=120, ignore_eos=True))),
-        purpose="batch",
+    # 40 short lines finish first; 260 long ones are still running or waiting when the
+    # window ends (with every line in flight at once, equal lines would all end together).
+    data = b"".join(
+        json.dumps({**line, "custom_id": f"line-{i}"}).encode() + b"\n"
+        for i, line in enumerate(
+            [json.loads(x) for x in lines(stack.model, 40, max_tokens=4).splitlines()]
+            + [json.loads(x) for x in lines(stack.model, 260, max_tokens=400, ignore_eos=True).splitlines()]
+        )
     )
+    uploaded = client.files.create(file=("e.jsonl", io.BytesIO(data)), purpose="batch")
     batch = client.batches.create(
         input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="1h"
     )

@@ -81,6 +81,9 @@ class FakeStore:
                 usage=r.usage,
                 generation_stats=r.generation_stats,
                 events=r.events,
+                queue_wait_seconds=r.queue_wait_seconds,
+                ttft_seconds=r.ttft_seconds,
+                e2e_seconds=r.e2e_seconds,
             )
             written.add(r.job_id)
         return written

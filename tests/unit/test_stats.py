@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -80,3 +81,15 @@ def test_short_job_gets_the_latest_sample() -> None:
     sampler = ResourceSampler(lambda: [os.getpid()], FakeSensor())
     latest = sampler.sample()
     assert sampler.window(latest.t + 1, latest.t + 2) == [latest]
+
+
+def test_sampler_integrates_each_devices_energy() -> None:
+    """The worker's `llmq_device_energy_joules_total`: trapezoids between samples."""
+    sampler = ResourceSampler(lambda: [os.getpid()], FakeSensor())
+    assert sampler.energy_joules() == {}
+    samples = [sampler.sample() for _ in range(3)]
+    expected = sum(
+        (b.t - a.t) * (a.watts["gpu0"] + b.watts["gpu0"]) / 2 for a, b in itertools.pairwise(samples)
+    )
+    assert sampler.energy_joules()["gpu0"] == pytest.approx(expected)
+    assert ResourceSampler(lambda: [os.getpid()], None).energy_joules() == {}
