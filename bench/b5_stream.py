@@ -46,6 +46,8 @@ async def one_stream(client: httpx.AsyncClient, model: str, max_tokens: int) -> 
     sent = time.time()
     arrivals: list[tuple[str, float]] = []
     async with client.stream("POST", "/v1/chat/completions", json=body, timeout=300) as r:
+        if r.status_code != 200 or "X-Llmq-Job-Id" not in r.headers:
+            raise RuntimeError(f"stream refused: HTTP {r.status_code}: {(await r.aread())[:500]!r}")
         job_id = r.headers["X-Llmq-Job-Id"]
         event_id = None
         async for line in r.aiter_lines():
