@@ -99,7 +99,8 @@ OWED_BY_TENANT = text(
     ") w LEFT JOIN tenants t ON t.id = w.tenant_id"
 )
 # Takes owed lines to send, in priority order, then earliest deadline first, then batch
-# and line order: their `enqueued_at` is set before the message goes out, so a failed
+# order, then lines sharing a prompt prefix together in line order (app/domain/line_order.py):
+# their `enqueued_at` is set before the message goes out, so a failed
 # send is row 4 of the table.
 TAKE_OWED = text(
     """
@@ -108,15 +109,23 @@ TAKE_OWED = text(
       SELECT id FROM jobs
       WHERE model = :model AND tenant_id = :tenant AND status = 'queued' AND batch_id IS NOT NULL
         AND enqueued_at IS NULL
-      ORDER BY priority, deadline_at, batch_id, line_no LIMIT :n FOR UPDATE SKIP LOCKED)
-    RETURNING id, priority, deadline_at, batch_id, line_no
+      ORDER BY priority, deadline_at, batch_id, prefix_key, line_no LIMIT :n FOR UPDATE SKIP LOCKED)
+    RETURNING id, priority, deadline_at, batch_id, prefix_key, line_no
     """
 )
 
 
 def owed_order(row: Any) -> tuple[Any, ...]:
     """TAKE_OWED's order, for its rows: `RETURNING` keeps no order."""
-    return (row.priority, row.deadline_at is None, row.deadline_at, row.batch_id, row.line_no)
+    return (
+        row.priority,
+        row.deadline_at is None,
+        row.deadline_at,
+        row.batch_id,
+        row.prefix_key is None,
+        row.prefix_key or "",
+        row.line_no,
+    )
 
 
 _STALE_QUEUED = text(

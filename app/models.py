@@ -26,6 +26,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from app.domain.line_order import LineOrder
 from app.domain.status import JobKind, JobStatus
 
 NAMING_CONVENTION = {
@@ -109,6 +110,7 @@ class Job(Base):
             "priority",
             "deadline_at",
             "batch_id",
+            "prefix_key",
             "line_no",
             postgresql_where=text("status = 'queued' AND batch_id IS NOT NULL AND enqueued_at IS NULL"),
         ),
@@ -204,6 +206,9 @@ class Job(Base):
     deadline_at: Mapped[datetime | None]
     custom_id: Mapped[str | None] = mapped_column(Text)
     line_no: Mapped[int | None] = mapped_column(Integer)
+    # Lines of a batch with equal keys begin with the same prompt prefix; the feeder sends
+    # them together (app/domain/line_order.py). None: the batch keeps input order.
+    prefix_key: Mapped[str | None] = mapped_column(Text)
     # A batch line's tokens against its tenant's batch token budget while it is unfinished:
     # prompt tokens plus the completion tokens it may generate (app/services/budgets.py).
     budget_tokens: Mapped[int | None] = mapped_column(Integer)
@@ -299,6 +304,8 @@ class Batch(Base):
     # OpenAI's `output_expires_after.seconds`: the output and error files expire this long
     # after they are made, and the lines' texts with them. None: kept.
     output_expires_after: Mapped[int | None] = mapped_column(Integer)
+    # The order its lines are sent in: a LineOrder (app/domain/line_order.py).
+    line_order: Mapped[str] = mapped_column(String(16), server_default=LineOrder.PREFIX.value)
     created_at: Mapped[datetime] = mapped_column(server_default=func.now())
     expires_at: Mapped[datetime]
     in_progress_at: Mapped[datetime | None]

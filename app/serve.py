@@ -15,7 +15,10 @@ APP = "app.api:create_app()"
 LOGGER_CLASS = "app.gunicorn_logging.Logger"
 
 
-def gunicorn_argv(host: str, port: int, *, workers: int = 2, connections: int = 2000) -> list[str]:
+def gunicorn_argv(
+    host: str, port: int, *, workers: int = 2, connections: int = 2000, app: str = APP
+) -> list[str]:
+    """`app`: the WSGI app to serve (the benchmarks serve a hello-world app the same way)."""
     return [
         sys.executable,
         "-m",
@@ -39,5 +42,5 @@ def gunicorn_argv(host: str, port: int, *, workers: int = 2, connections: int = 
         # Hooks for the metrics each worker process records (app/gunicorn_conf.py).
         "--config",
         "python:app.gunicorn_conf",
-        APP,
+        app,
     ]

@@ -70,6 +70,12 @@ class Settings(BaseSettings):
     kv_cache_space_gib: float = Field(
         default=2.0, gt=0, description="KV cache size on the CPU engine (VLLM_CPU_KVCACHE_SPACE)."
     )
+    kv_cache_blocks: int | None = Field(
+        default=None,
+        ge=1,
+        description="Fix the KV cache at this many blocks (vLLM's num_gpu_blocks_override; 128 "
+        "tokens a block on CPU) instead of sizing it from memory: a small cache for benchmarks.",
+    )
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
     structured_output_backend: Literal["guidance", "xgrammar", "outlines", "auto"] = "guidance"
     engine_seed: int = 0

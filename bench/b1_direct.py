@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import resource
 import time
 
 from app.domain.prompts import ChatRenderer
@@ -40,11 +41,24 @@ async def main(model: str, bodies: list[dict]) -> dict[str, float]:
             count += sum(len(o.token_ids) for o in out.outputs)
         return count
 
+    # Warm-up, not measured, as on the service's side.
+    warm = SamplingParams(max_tokens=1, output_kind=RequestOutputKind.DELTA)
+    for w in range(4):
+        async for _ in llm.generate(TokensPrompt(prompt_token_ids=prompts[0]), warm, f"b1-warm-{w}"):
+            pass
     start = time.perf_counter()
+    cpu_start = _own_cpu()
     counts = await asyncio.gather(*(one(i) for i in range(len(bodies))))
     seconds = time.perf_counter() - start
+    client_cpu = _own_cpu() - cpu_start
     await engine.close()
-    return {"tokens": float(sum(counts)), "seconds": seconds}
+    return {"tokens": float(sum(counts)), "seconds": seconds, "client_cpu_seconds": client_cpu}
+
+
+def _own_cpu() -> float:
+    """This process's CPU seconds (the engine core runs in a child: not counted)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 if __name__ == "__main__":

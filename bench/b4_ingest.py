@@ -16,6 +16,7 @@ import psycopg
 
 from app.cli.client import LlmqClient
 from app.db import normalize_url
+from bench import cpu
 from bench.common import save, service
 
 SERVED = "bench-b4"
@@ -71,18 +72,19 @@ def hwm(proc: psutil.Process) -> int:
     return 0
 
 
-def run(lines: int = 50_000) -> dict[str, Any]:
+def run(lines: int = 50_000, big_lines: int = 45_000) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp())
     small = tmp / "b4-50k.jsonl"
     size = write_file(small, lines, 120)
     big = tmp / "b4-190mb.jsonl"
-    big_size = write_file(big, 45_000, 4_150)
+    big_size = write_file(big, big_lines, 4_150)
     with service("instant", SERVED, LLMQ_ENGINE="instant", LLMQ_API_WORKERS="1") as stack:
         client = LlmqClient(stack.base_url, stack.api_key, timeout=900)
         base_s = baseline(small, stack.env["LLMQ_DATABASE_URL"])
-        started = time.perf_counter()
-        client.upload_batch_file(small)
-        llmq_s = time.perf_counter() - started
+        with cpu.measure(stack) as use:
+            started = time.perf_counter()
+            client.upload_batch_file(small)
+            llmq_s = time.perf_counter() - started
         workers = api_workers(stack.procs["api"].pid)
         rss_before = {w.pid: w.memory_info().rss for w in workers}
         started = time.perf_counter()
@@ -100,6 +102,7 @@ def run(lines: int = 50_000) -> dict[str, Any]:
         "big_file_mb": round(big_size / 1e6, 1),
         "big_upload_s": round(big_s, 1),
         "peak_rss_growth_mb": round(growth / 2**20, 1),
+        "cpu_ms_per_line": use.per_unit_ms(lines),
         "goal": "ratio >= 0.5; peak RSS growth < 100 MB",
     }
     save("b4", result)

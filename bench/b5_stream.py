@@ -24,7 +24,8 @@ from sqlalchemy import text
 
 from app.connections import ADMIN_POOL
 from app.db import Database
-from bench.common import save, service
+from bench import cpu
+from bench.common import save, service, submit_all, wait_done
 
 
 def pct(values: list[float], p: float) -> float:
@@ -45,6 +46,8 @@ async def one_stream(client: httpx.AsyncClient, model: str, max_tokens: int) -> 
     sent = time.time()
     arrivals: list[tuple[str, float]] = []
     async with client.stream("POST", "/v1/chat/completions", json=body, timeout=300) as r:
+        if r.status_code != 200 or "X-Llmq-Job-Id" not in r.headers:
+            raise RuntimeError(f"stream refused: HTTP {r.status_code}: {(await r.aread())[:500]!r}")
         job_id = r.headers["X-Llmq-Job-Id"]
         event_id = None
         async for line in r.aiter_lines():
@@ -133,10 +136,15 @@ def run(
     out: dict[str, Any] = {"id": "B5", "goal": "p99 added <= 20 ms"}
     with service(model, served) as stack:
         db = Database.from_url(stack.env["LLMQ_DATABASE_URL"], ADMIN_POOL)
-        asyncio.run(streams_at(stack.base_url, stack.api_key, served, 1, 8))  # warm-up
+        # Warm-up: each API process loads the model's tokenizer on its first request (seconds
+        # of CPU); concurrent submits reach every gunicorn worker before anything is measured.
+        warm = {"model": served, "messages": [{"role": "user", "content": "warm"}], "max_tokens": 1}
+        wait_done(stack, submit_all(stack, [warm] * (4 * stack.settings.api_workers)))
+        asyncio.run(streams_at(stack.base_url, stack.api_key, served, 1, 8))
         for n in levels:
-            results = asyncio.run(streams_at(stack.base_url, stack.api_key, served, n, max_tokens))
-            out[f"n{n}"] = measure(results, db)
+            with cpu.measure(stack) as use:
+                results = asyncio.run(streams_at(stack.base_url, stack.api_key, served, n, max_tokens))
+            out[f"n{n}"] = {**measure(results, db), "cpu_ms_per_job": use.per_unit_ms(n)}
         db.dispose()
         worker = stack.procs["worker"]
         worker.terminate()

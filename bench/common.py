@@ -54,7 +54,9 @@ def service(model: str, served_name: str, **env: str) -> Iterator[Stack]:
 
 
 def submit_all(stack: Stack, bodies: list[dict[str, Any]], threads: int = 64) -> list[str]:
-    with httpx.Client(base_url=stack.base_url, headers={"Authorization": f"Bearer {stack.api_key}"}) as c:
+    auth = {"Authorization": f"Bearer {stack.api_key}"}
+    # The first requests wait for the API to load the tokenizer (prompt counting): not 5 s.
+    with httpx.Client(base_url=stack.base_url, headers=auth, timeout=120) as c:
 
         def one(body: dict[str, Any]) -> str:
             r = c.post("/v2/jobs", json=body)

@@ -80,6 +80,7 @@ class VllmEngine:
             max_num_seqs=s.max_num_seqs,
             seed=s.engine_seed,
             gpu_memory_utilization=s.gpu_memory_utilization,
+            num_gpu_blocks_override=s.kv_cache_blocks,
             enforce_eager=on_cpu if s.enforce_eager is None else s.enforce_eager,
             scheduling_policy="priority" if self._priority_scheduling else "fcfs",
             # Engine-wide: the per-request whitespace options are ignored by vLLM 0.32, and

@@ -84,9 +84,17 @@ class LlmqClient:
             )
 
     def create_batch(
-        self, file_id: str, *, window: str, endpoint: str = "/v1/chat/completions"
+        self,
+        file_id: str,
+        *,
+        window: str,
+        endpoint: str = "/v1/chat/completions",
+        line_order: str | None = None,
     ) -> dict[str, Any]:
+        """`line_order`: llmq's `x_line_order` ("prefix", the default, or "input")."""
         body = {"input_file_id": file_id, "endpoint": endpoint, "completion_window": window}
+        if line_order is not None:
+            body["x_line_order"] = line_order
         return dict(self.request("POST", "/v1/batches", json=body))
 
     def get_batch(self, batch_id: str) -> dict[str, Any]:

@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from app.domain.line_order import LineOrder
 from app.domain.metadata import JSON_SCHEMA as METADATA_SCHEMA
 from app.schemas.base import WireModel
 from app.schemas.chat import ChatCompletionV2Request
@@ -122,6 +123,9 @@ class BatchCreate(WireModel):
         description="An `s3://bucket/key` the batch's output is written to when it ends: every line "
         "in input order, as output file lines (JSONL).",
     )
+    # llmq's extension: "prefix" (default) runs lines sharing a prompt prefix together;
+    # "input" sends them in file order (app/domain/line_order.py).
+    x_line_order: LineOrder = LineOrder.PREFIX
 
 
 class RequestCounts(WireModel):
@@ -191,6 +195,7 @@ class BatchObject(WireModel):
     x_output_data_path: str | None = None
     x_output_exported_at: int | None = None
     x_output_export_error: dict[str, Any] | None = None
+    x_line_order: LineOrder = LineOrder.PREFIX
 
 
 class BatchList(WireModel):

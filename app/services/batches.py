@@ -17,6 +17,7 @@ from sqlalchemy import select, text, update
 from sqlalchemy.exc import SQLAlchemyError
 
 from app.db import Database
+from app.domain.line_order import LineOrder
 from app.domain.metadata import check_metadata
 from app.domain.status import BatchStatus, FilePurpose, JobStatus
 from app.errors import Conflict, InvalidRequest
@@ -188,6 +189,7 @@ class BatchService:
                 metadata=req.metadata,
                 output_expires_after=req.output_expires_after.seconds if req.output_expires_after else None,
                 links=links,
+                line_order=req.x_line_order.value,
             ),
             parent=parent,
             idem=idem,
@@ -257,6 +259,7 @@ class BatchService:
                 output_url=spec.links.output_url,
                 output_format=spec.links.output_format,
                 client_request=spec.links.client_request,
+                line_order=spec.line_order,
                 total=f.line_count,
                 parent_batch_id=parent,
                 idempotency_key=idem.key if idem else None,
@@ -420,6 +423,7 @@ class BatchService:
                 seconds=int((batch.expires_at - batch.created_at).total_seconds()),
                 metadata=batch.metadata_,
                 output_expires_after=batch.output_expires_after,
+                line_order=batch.line_order,
             ),
             parent=batch_id,
         )
@@ -453,6 +457,7 @@ class BatchSpec:
     metadata: dict[str, str] | None = None
     output_expires_after: int | None = None
     links: ObjectLinks = field(default_factory=ObjectLinks)
+    line_order: str = LineOrder.PREFIX.value  # app/domain/line_order.py
 
 
 def to_batch_object(batch: Batch, counts: Any, model: str | None) -> BatchObject:
@@ -513,4 +518,5 @@ def to_batch_object(batch: Batch, counts: Any, model: str | None) -> BatchObject
         x_output_data_path=batch.output_url,
         x_output_exported_at=unix_time(batch.exported_at),
         x_output_export_error=batch.export_error,
+        x_line_order=LineOrder(batch.line_order),
     )

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TypeVar
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
+from sqlalchemy.orm.interfaces import ORMOption
 
 from app.errors import NotFound
 from app.models import Batch, File, Job, WebhookEndpoint
@@ -22,11 +24,17 @@ _MISSING: dict[type, tuple[str, str]] = {
 
 
 def load_owned(
-    s: Session, model: type[Owned], row_id: str, tenant_id: str, *, param: str | None = None
+    s: Session,
+    model: type[Owned],
+    row_id: str,
+    tenant_id: str,
+    *,
+    param: str | None = None,
+    options: Sequence[ORMOption] = (),
 ) -> Owned:
     """Raises NotFound (naming `param`, by default the kind's id) when `tenant_id` has no
-    such row."""
-    row = s.scalar(select(model).where(model.id == row_id, model.tenant_id == tenant_id))
+    such row. `options`: loader options (columns the caller does not need, deferred)."""
+    row = s.scalar(select(model).options(*options).where(model.id == row_id, model.tenant_id == tenant_id))
     if row is None:
         message, default_param = _MISSING[model]
         raise NotFound(message.format(row_id), param=param or default_param)

@@ -1,0 +1,105 @@
+"""A closed-loop HTTP load generator light enough to share a 2-core machine with the
+service: `clients` threads, each on one keep-alive connection (http.client), sending the
+same request back to back for `seconds`. Latencies are recorded per request."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+
+def pct(values: list[float], p: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
+
+
+@dataclass
+class Load:
+    """What one run saw: latencies in seconds, errors (non-2xx or broken connections)."""
+
+    seconds: float = 0.0
+    latencies: list[float] = field(default_factory=list)
+    errors: int = 0
+
+    @property
+    def rate(self) -> float:
+        return len(self.latencies) / self.seconds if self.seconds else 0.0
+
+    def p(self, q: float) -> float:
+        return pct(self.latencies, q)
+
+    def summary(self) -> dict[str, float]:
+        return {
+            "rps": round(self.rate, 1),
+            "p50_ms": round(self.p(50) * 1e3, 2),
+            "p99_ms": round(self.p(99) * 1e3, 2),
+            "errors": self.errors,
+        }
+
+
+def request_fn(
+    base_url: str, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None
+) -> Callable[[], Callable[[], int]]:
+    """A factory of per-thread senders: each opens its own connection and returns the status."""
+    url = urlsplit(base_url)
+    payload = json.dumps(body).encode() if body is not None else None
+    hdrs = {"Content-Type": "application/json", **(headers or {})}
+
+    def make() -> Callable[[], int]:
+        conn = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port or 80, timeout=30)
+
+        def send() -> int:
+            conn.request(method, path, body=payload, headers=hdrs)
+            r = conn.getresponse()
+            r.read()
+            return r.status
+
+        return send
+
+    return make
+
+
+def run(make: Callable[[], Callable[[], int]], clients: int, seconds: float, warmup: float = 0.5) -> Load:
+    """`clients` closed loops for `warmup` + `seconds`; only the last `seconds` are counted."""
+    load = Load(seconds=seconds)
+    lock = threading.Lock()
+    start = time.perf_counter() + warmup
+    stop = start + seconds
+
+    def loop() -> None:
+        send = make()
+        mine: list[float] = []
+        errors = 0
+        while True:
+            t0 = time.perf_counter()
+            if t0 >= stop:
+                break
+            try:
+                ok = 200 <= send() < 300
+            except (OSError, http.client.HTTPException):
+                ok = False
+                send = make()
+            t1 = time.perf_counter()
+            if t0 >= start:
+                if ok:
+                    mine.append(t1 - t0)
+                else:
+                    errors += 1
+        with lock:
+            load.latencies.extend(mine)
+            load.errors += errors
+
+    threads = [threading.Thread(target=loop, daemon=True) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return load

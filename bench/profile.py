@@ -1,0 +1,130 @@
+"""Where the CPU goes: py-spy samples the API's gunicorn workers and the Celery worker (not
+vLLM's engine core) while a load runs, and prints the top frames by own time and, among
+llmq's code, by inclusive time. `python -m bench.profile submit|batch [--seconds 15]`
+
+submit: closed-loop POST /v2/jobs (B3's load); batch: a 50,000-line batch (B2's), sampled
+while it runs.
+Collapsed stacks are written to bench/results/profile-<load>-<process>.txt (flamegraph.pl
+or speedscope read them). Needs py-spy (the dev extra) and the right to ptrace (root).
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import psutil
+
+from app.cli.client import LlmqClient
+from bench import b2_overhead, load
+from bench.common import RESULTS, service
+
+OURS = ("(app/", "(worker/", "(bench/")
+
+
+def record(pid: int, seconds: float, out: Path) -> subprocess.Popen[bytes]:
+    argv = [
+        "py-spy",
+        "record",
+        "--gil",
+        "--format",
+        "raw",
+        "-r",
+        "200",
+        "-d",
+        str(int(seconds)),
+        "-p",
+        str(pid),
+        "-o",
+        str(out),
+    ]
+    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def top(collapsed: Path, n: int = 15) -> tuple[list[tuple[str, int]], list[tuple[str, int]], int]:
+    """(frames by own samples, llmq frames by inclusive samples, total samples)."""
+    own: Counter[str] = Counter()
+    inclusive: Counter[str] = Counter()
+    total = 0
+    for line in collapsed.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack:
+            continue
+        k = int(count)
+        total += k
+        frames = stack.split(";")
+        own[frames[-1]] += k
+        for frame in set(frames):
+            if any(part in frame for part in OURS):
+                inclusive[frame] += k
+    return own.most_common(n), inclusive.most_common(n), total
+
+
+def _wait_ended(client: LlmqClient, batch_id: str) -> None:
+    while client.get_batch(batch_id)["status"] not in ("completed", "failed", "expired", "cancelled"):
+        time.sleep(0.5)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("load", choices=("submit", "batch"))
+    p.add_argument("--seconds", type=float, default=15)
+    a = p.parse_args()
+    env = {
+        "LLMQ_ENGINE": "instant",
+        # The per-key limiter still runs (as for a tenant whose limit was raised); the
+        # per-tenant cap on active jobs stays at its default.
+        "LLMQ_RATE_LIMIT_PER_MINUTE": "100000000",
+        "LLMQ_MAX_NUM_SEQS": "64",
+        "LLMQ_BATCH_DISPATCH_WINDOW": "2048",
+        "LLMQ_BATCH_CHUNK_SIZE": "128",
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    with service("instant", b2_overhead.SERVED, **env) as stack:
+        targets = {f"api{i}": c.pid for i, c in enumerate(psutil.Process(stack.procs["api"].pid).children())}
+        targets["worker"] = stack.procs["worker"].pid
+        outs = {name: RESULTS / f"profile-{a.load}-{name}.txt" for name in targets}
+        if a.load == "submit":
+            body = {
+                "model": b2_overhead.SERVED,
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 16,
+            }
+            auth = {"Authorization": f"Bearer {stack.api_key}"}
+            work = threading.Thread(
+                target=load.run,
+                args=(load.request_fn(stack.base_url, "POST", "/v2/jobs", body, auth), 4, a.seconds + 2),
+            )
+        else:
+            # Sampling starts once the batch runs (its upload and creation are B4's).
+            path = Path(tempfile.mkdtemp()) / "profile.jsonl"
+            b2_overhead.write_batch(path, 50_000)
+            client = LlmqClient(stack.base_url, stack.api_key, timeout=600)
+            batch = client.create_batch(client.upload_batch_file(path)["id"], window="24h")
+            work = threading.Thread(target=_wait_ended, args=(client, batch["id"]))
+        work.start()
+        time.sleep(1.0)
+        spies = [record(pid, a.seconds, outs[name]) for name, pid in targets.items()]
+        for spy in spies:
+            spy.wait()
+        work.join()
+    for name, out in outs.items():
+        if not out.exists():
+            print(f"{name}: no samples (py-spy needs ptrace rights)")
+            continue
+        own, inclusive, total = top(out)
+        print(f"\n== {name}: {total} samples; top own time")
+        for frame, k in own:
+            print(f"{k / max(total, 1):6.1%}  {frame}")
+        print(f"-- {name}: llmq frames, inclusive")
+        for frame, k in inclusive:
+            print(f"{k / max(total, 1):6.1%}  {frame}")
+
+
+if __name__ == "__main__":
+    main()

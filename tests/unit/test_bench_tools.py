@@ -1,0 +1,119 @@
+"""The benchmark tooling that every figure rests on: CPU accounting by process group from
+/proc, the closed-loop load generator, the B3 sustained-rate rule, and the report (table and
+one PNG per curve)."""
+
+from __future__ import annotations
+
+import http.server
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from bench import b3_submit, cpu, load, report
+
+# Waits for a line, burns `s` seconds of CPU, then waits for the end of its input.
+BURN = (
+    "import sys, time\nsys.stdin.readline()\nt = time.process_time()\n"
+    "while time.process_time() - t < {s}: pass\nsys.stdin.read()"
+)
+
+
+def test_cpu_use_is_counted_for_the_group_that_spent_it() -> None:
+    """A child that burns 0.3 s of CPU inside the measured stretch is charged to its group
+    (here "api"), and nothing to the groups with no process."""
+    proc = subprocess.Popen([sys.executable, "-c", BURN.format(s=0.3)], stdin=subprocess.PIPE)
+    assert proc.stdin is not None
+    stack: Any = SimpleNamespace(procs={"api": proc}, servers=[])
+    try:
+        with cpu.measure(stack) as use:
+            start = cpu.own_process_seconds([proc.pid])
+            proc.stdin.write(b"go\n")
+            proc.stdin.flush()
+            while cpu.own_process_seconds([proc.pid]) < start + 0.3:
+                time.sleep(0.01)
+    finally:
+        proc.communicate(b"")
+    assert use.seconds["api"] >= 0.2
+    assert use.seconds["worker"] == use.seconds["engine"] == 0.0
+    assert use.per_unit_ms(100)["api"] >= 2.0
+
+
+class _Hello(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:
+        body = b'{"ok": true}'
+        self.send_response(200 if self.path == "/ok" else 503)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_the_load_generator_counts_successes_and_errors_apart() -> None:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Hello)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        ok = load.run(load.request_fn(base, "GET", "/ok"), 2, 0.5, warmup=0.1)
+        bad = load.run(load.request_fn(base, "GET", "/down"), 1, 0.3, warmup=0.0)
+    finally:
+        server.shutdown()
+    assert ok.errors == 0 and len(ok.latencies) > 10 and ok.rate > 0
+    assert ok.summary()["p99_ms"] >= ok.summary()["p50_ms"] > 0
+    assert bad.errors > 0 and not bad.latencies
+
+
+def test_the_sustained_rate_is_the_best_rate_with_p99_under_50_ms() -> None:
+    curve = [
+        {"clients": 1, "rps": 100.0, "p99_ms": 10.0, "errors": 0},
+        {"clients": 4, "rps": 300.0, "p99_ms": 45.0, "errors": 0},
+        {"clients": 8, "rps": 500.0, "p99_ms": 80.0, "errors": 0},
+        {"clients": 16, "rps": 600.0, "p99_ms": 40.0, "errors": 3},
+    ]
+    assert b3_submit.sustained(curve)["clients"] == 4
+    assert b3_submit.sustained(curve[2:3])["clients"] == 8  # none under: the lowest level
+
+
+def test_the_report_has_a_row_per_result_and_a_png_per_curve(tmp_path: Path) -> None:
+    results = [
+        {
+            "id": "B2",
+            "ms_per_line": 0.5,
+            "runs": [{"lines": n, "ms_per_line": 0.5} for n in (10, 100)],
+            "cpu_ms_per_line": {"api": 0.1, "worker": 0.3},
+            "goal": "<= 0.2",
+        },
+        {
+            "id": "B3",
+            "ratio": 0.4,
+            "curves": {"llmq": [{"rps": 10.0, "p99_ms": 9.0}], "hello": [{"rps": 90.0, "p99_ms": 1.0}]},
+            "goal": ">= 0.5",
+        },
+        {"id": "B5", "levels": {"n1": {"added_ttfc_p99_ms": 5.0, "delivery_lag_p99_ms": 2.0}}, "goal": "x"},
+        {
+            "id": "B10",
+            "ratio": 2.0,
+            "runs": {
+                o: {"generated_tokens_per_s": 9.0, "prefix_cache_hit_rate": 0.5} for o in ("input", "prefix")
+            },
+            "goal": ">= 1.3",
+        },
+    ]
+    text = report.table(results)
+    assert all(f"| {r['id']} |" in text for r in results)
+    assert "ms/line: api=0.1 worker=0.3" in text
+    made = report.plots(results, tmp_path)
+    assert sorted(p.name for p in made) == [
+        "b10_prefix_order.png",
+        "b2_ms_per_line.png",
+        "b3_rate_vs_p99.png",
+        "b5_stream_overhead.png",
+    ]
+    assert all(p.stat().st_size > 1000 and p.read_bytes()[:4] == b"\x89PNG" for p in made)
