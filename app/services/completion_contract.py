@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from app.domain.budget import completion_budget, estimate_prompt_tokens, line_tokens
 from app.domain.metadata import check_metadata
-from app.domain.structured import ConstraintLimits, check_limits, constraint_of
+from app.domain.structured import ConstraintLimits
 from app.domain.tools import ToolPlan
 from app.errors import InvalidRequest, LlmqError, Unsupported
 from app.schemas.text_completion import CompletionRequest
@@ -18,6 +18,7 @@ from app.services.contract import (
     ConstraintChecker,
     ModelCatalog,
     check_logit_bias,
+    check_output,
     check_token_ids,
     model_not_found,
 )
@@ -121,19 +122,7 @@ class CompletionPolicy:
             raise InvalidRequest("`min_tokens` is above `max_tokens`", param="min_tokens")
 
     def _check_output(self, req: CompletionRequest) -> None:
-        found = constraint_of(req, NO_TOOLS)
-        backend = req.guided_decoding_backend
-        if backend is not None and backend != self._settings.structured_output_backend:
-            raise Unsupported(
-                f"`guided_decoding_backend` {backend!r}: this engine runs "
-                f"{self._settings.structured_output_backend!r} for every request (vLLM 0.32 sets the backend "
-                "per engine); leave it out or send that value",
-                param="guided_decoding_backend",
-            )
-        if found is not None:
-            check_limits(found, NO_TOOLS, self._limits)
-            if self._constraints is not None:
-                self._constraints.check(found)
+        check_output(req, NO_TOOLS, self._settings, self._limits, self._constraints)
 
     def _check_bounds(self, req: CompletionRequest) -> None:
         s = self._settings

@@ -11,17 +11,20 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from app.domain.budget import completion_budget, estimate_prompt_tokens, line_tokens
 from app.domain.metadata import check_metadata
 from app.domain.structured import Constraint, ConstraintLimits, check_limits, constraint_of
-from app.domain.tools import plan_tools
+from app.domain.tools import ToolPlan, plan_tools
 from app.errors import InvalidRequest, LlmqError, NotFound, Unsupported
 from app.schemas.chat import ChatCompletionV2Request, ImagePart, TextPart
 from app.services.addresses import Resolver, system_resolver, url_refusal
 from app.services.models import PromptCounter, ServedModel
 from app.settings import Settings
+
+if TYPE_CHECKING:
+    from app.schemas.text_completion import CompletionRequest
 
 # Fields the engine path implements (some with conditions, checked in `check`).
 HONOURED: frozenset[str] = frozenset(
@@ -305,19 +308,7 @@ class RequestPolicy:
 
     def _check_output(self, req: ChatCompletionV2Request) -> None:
         plan = plan_tools(req, auto_parser=self._settings.tool_call_parser)
-        found = constraint_of(req, plan)
-        backend = req.guided_decoding_backend
-        if backend is not None and backend != self._settings.structured_output_backend:
-            raise Unsupported(
-                f"`guided_decoding_backend` {backend!r}: this engine runs "
-                f"{self._settings.structured_output_backend!r} for every request (vLLM 0.32 sets the backend "
-                "per engine); leave it out or send that value",
-                param="guided_decoding_backend",
-            )
-        if found is not None:
-            check_limits(found, plan, self._limits)
-            if self._constraints is not None:
-                self._constraints.check(found)
+        check_output(req, plan, self._settings, self._limits, self._constraints)
 
     def _check_bounds(self, req: ChatCompletionV2Request) -> None:
         s = self._settings
@@ -380,6 +371,31 @@ class RequestPolicy:
         count = self._models.prompt_counter(model)
         if count is not None:
             completion_budget(req, count(req), model.max_model_len)
+
+
+def check_output(
+    req: ChatCompletionV2Request | CompletionRequest,
+    plan: ToolPlan,
+    settings: Settings,
+    limits: ConstraintLimits,
+    constraints: ConstraintChecker | None,
+) -> None:
+    """A request's output constraint (`guided_*`, `response_format`, tools), within the
+    limits and compiled by the sandbox before anything is queued; the backend is the
+    engine's."""
+    found = constraint_of(req, plan)
+    backend = req.guided_decoding_backend
+    if backend is not None and backend != settings.structured_output_backend:
+        raise Unsupported(
+            f"`guided_decoding_backend` {backend!r}: this engine runs "
+            f"{settings.structured_output_backend!r} for every request (vLLM 0.32 sets the backend "
+            "per engine); leave it out or send that value",
+            param="guided_decoding_backend",
+        )
+    if found is not None:
+        check_limits(found, plan, limits)
+        if constraints is not None:
+            constraints.check(found)
 
 
 def check_logit_bias(bias: dict[str, float] | None, vocab: int | None) -> None:
