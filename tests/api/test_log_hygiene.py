@@ -22,11 +22,8 @@ from app.container import Services
 from app.logs import JsonFormatter, KeyValueFormatter, configure_logging, mask_secrets
 from app.settings import Settings
 from tests.helpers import Stores, auth
-from tests.unit.fakes import FakeStreams
-from worker.engine import ByteRenderer, InstantEngine
+from tests.unit.fakes import fake_runner
 from worker.loop import LoopThread
-from worker.runner import JobRunner, RunnerConfig
-from worker.stats import ResourceSampler, self_pid
 from worker.store import JobStore
 
 SUFFIX = secrets.token_hex(4)
@@ -142,17 +139,7 @@ def test_result_write_fault(client: FlaskClient, services: Services, stores: Sto
     job_id = client.post("/v2/jobs", json=request, headers=auth(key)).get_json()["id"]
     loop = LoopThread()
     loop.start()
-    runner = JobRunner(
-        JobStore(services.db),
-        InstantEngine(),
-        loop,
-        ByteRenderer(),
-        ResourceSampler(self_pid, None),
-        FakeStreams(),  # type: ignore[arg-type]
-        RunnerConfig(
-            "w-logs", lease_seconds=30, max_attempts=3, job_timeout_seconds=30, system_fingerprint="fp"
-        ),
-    )
+    runner = fake_runner(JobStore(services.db), loop, name="w-logs")
     try:
         with (
             captured() as out,

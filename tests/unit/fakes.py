@@ -7,8 +7,14 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
+from app.services.contract import ConstraintChecker
 from app.services.models import ModelRegistry, ServedModel
+from worker.engine import ByteRenderer, Engine, InstantEngine
+from worker.loop import LoopThread
+from worker.runner import JobRunner, RunnerConfig
+from worker.stats import ResourceSampler, self_pid
 from worker.store import Claim, Result
+from worker.translate import Renderer
 
 
 class FakeStore:
@@ -159,3 +165,37 @@ def served(
         ServedModel(n, declared=True, max_model_len=max_model_len, vocab_size=vocab_size) for n in names
     ]
     return ModelRegistry(lambda: [], declared=models, counters=(lambda m: count) if count else None)
+
+
+def fake_runner(
+    store: Any,
+    loop: LoopThread,
+    *,
+    engine: Engine | None = None,
+    renderer: Renderer | None = None,
+    streams: Any = None,
+    constraints: ConstraintChecker | None = None,
+    name: str = "w1",
+    fingerprint: str = "fp",
+    **config: Any,
+) -> JobRunner:
+    """A JobRunner over a fake (or real) store: an instant engine, the byte renderer and
+    in-memory streams unless given, the unit tests' lease, attempts and timeout, and any
+    other RunnerConfig field in `config`."""
+    return JobRunner(
+        store,
+        InstantEngine() if engine is None else engine,
+        loop,
+        ByteRenderer() if renderer is None else renderer,
+        ResourceSampler(self_pid, None),
+        FakeStreams() if streams is None else streams,
+        RunnerConfig(
+            name,
+            lease_seconds=30,
+            max_attempts=3,
+            job_timeout_seconds=30,
+            system_fingerprint=fingerprint,
+            **config,
+        ),
+        constraints=constraints,
+    )

@@ -23,12 +23,10 @@ from app.liveness import Liveness
 from app.metrics import ApiMetrics, Collectors, Computed, build_info
 from app.services.metrics import LEASE_KEY, ClusterLease, MetricsService
 from tests.helpers import ROOT
-from tests.unit.fakes import FakeStore, FakeStreams
-from worker.engine import ByteRenderer, InstantEngine
+from tests.unit.fakes import FakeStore, FakeStreams, fake_runner
+from worker.engine import InstantEngine
 from worker.loop import LoopThread
 from worker.metrics import JobFigures, WorkerMetrics, WorkerState
-from worker.runner import JobRunner, RunnerConfig
-from worker.stats import ResourceSampler, self_pid
 
 OBSERVABILITY = ROOT / "deploy" / "observability"
 DASHBOARD = OBSERVABILITY / "grafana" / "dashboards" / "llmq.json"
@@ -90,21 +88,8 @@ def test_each_ended_job_is_observed_once_with_the_figures_its_record_holds(loop:
     for i in range(3):
         store.add(f"ok_{i}", {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
     store.add("too_long", {"model": "m", "messages": [{"role": "user", "content": "x" * 200}]})
-    runner = JobRunner(
-        store,  # type: ignore[arg-type]
-        InstantEngine(context=100, delay=0.002),
-        loop,
-        ByteRenderer(),
-        ResourceSampler(self_pid, None),
-        streams,  # type: ignore[arg-type]
-        RunnerConfig(
-            "w1",
-            lease_seconds=30,
-            max_attempts=3,
-            job_timeout_seconds=30,
-            system_fingerprint="fp",
-            observe=metrics.observe,
-        ),
+    runner = fake_runner(
+        store, loop, engine=InstantEngine(context=100, delay=0.002), streams=streams, observe=metrics.observe
     )
     statuses = runner.run_many([*(f"ok_{i}" for i in range(3)), "too_long"])
     assert statuses == {"ok_0": "succeeded", "ok_1": "succeeded", "ok_2": "succeeded", "too_long": "failed"}

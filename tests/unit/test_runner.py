@@ -8,11 +8,10 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from app.schemas.completion import ChatCompletion
-from tests.unit.fakes import FakeStore, FakeStreams
+from tests.unit.fakes import FakeStore, FakeStreams, fake_runner
 from worker.engine import ByteRenderer, InstantEngine
 from worker.loop import LoopThread
-from worker.runner import JobRunner, RunnerConfig
-from worker.stats import ResourceSampler, self_pid
+from worker.runner import JobRunner
 
 
 @pytest.fixture
@@ -24,17 +23,7 @@ def loop() -> Iterator[LoopThread]:
 
 
 def make_runner(loop: LoopThread, engine: InstantEngine, store: FakeStore, streams: FakeStreams) -> JobRunner:
-    return JobRunner(
-        store,  # type: ignore[arg-type]
-        engine,
-        loop,
-        ByteRenderer(),
-        ResourceSampler(self_pid, None),
-        streams,  # type: ignore[arg-type]
-        RunnerConfig(
-            "w1", lease_seconds=30, max_attempts=3, job_timeout_seconds=30, system_fingerprint="fp_test"
-        ),
-    )
+    return fake_runner(store, loop, engine=engine, streams=streams, fingerprint="fp_test")
 
 
 def wait_until(condition: Callable[[], object], timeout: float = 5.0) -> None:
@@ -143,22 +132,7 @@ def test_a_thread_waiting_for_a_slot_claims_nothing_once_the_worker_drains(loop:
     store.add("job_long", body(max_tokens=4000))
     for i in range(3):
         store.add(f"job_next_{i}", body(max_tokens=2))
-    runner = JobRunner(
-        store,  # type: ignore[arg-type]
-        InstantEngine(delay=0.01),
-        loop,
-        ByteRenderer(),
-        ResourceSampler(self_pid, None),
-        streams,  # type: ignore[arg-type]
-        RunnerConfig(
-            "w1",
-            lease_seconds=30,
-            max_attempts=3,
-            job_timeout_seconds=30,
-            system_fingerprint="fp",
-            max_inflight=1,
-        ),
-    )
+    runner = fake_runner(store, loop, engine=InstantEngine(delay=0.01), streams=streams, max_inflight=1)
     running = threading.Thread(target=runner.run, args=("job_long",))
     running.start()
     wait_until(runner.inflight)
@@ -243,22 +217,7 @@ def test_jobs_in_the_engine_never_exceed_the_workers_capacity(loop: LoopThread) 
     for job_id in (j for chunk in chunks for j in chunk):
         store.add(job_id, body(max_tokens=20))
     engine = CountingEngine(delay=0.005)
-    runner = JobRunner(
-        store,  # type: ignore[arg-type]
-        engine,
-        loop,
-        ByteRenderer(),
-        ResourceSampler(self_pid, None),
-        streams,  # type: ignore[arg-type]
-        RunnerConfig(
-            "w1",
-            lease_seconds=30,
-            max_attempts=3,
-            job_timeout_seconds=30,
-            system_fingerprint="fp_test",
-            max_inflight=10,
-        ),
-    )
+    runner = fake_runner(store, loop, engine=engine, streams=streams, fingerprint="fp_test", max_inflight=10)
     threads = [threading.Thread(target=runner.run_many, args=(chunk,)) for chunk in chunks]
     for t in threads:
         t.start()
@@ -285,22 +244,14 @@ def test_a_batch_chunk_that_finds_the_worker_full_goes_back_whole_after_a_short_
     late = [f"late_{i}" for i in range(3)]
     for job_id in busy + late:
         store.add(job_id, body(max_tokens=100))
-    runner = JobRunner(
-        store,  # type: ignore[arg-type]
-        InstantEngine(delay=0.02),  # two seconds a job
+    runner = fake_runner(
+        store,
         loop,
-        ByteRenderer(),
-        ResourceSampler(self_pid, None),
-        streams,  # type: ignore[arg-type]
-        RunnerConfig(
-            "w1",
-            lease_seconds=30,
-            max_attempts=3,
-            job_timeout_seconds=30,
-            system_fingerprint="fp_test",
-            max_inflight=4,
-            chunk_slot_wait_seconds=0.2,
-        ),
+        engine=InstantEngine(delay=0.02),  # two seconds a job
+        streams=streams,
+        fingerprint="fp_test",
+        max_inflight=4,
+        chunk_slot_wait_seconds=0.2,
     )
     first = threading.Thread(target=runner.run_many, args=(busy,), kwargs={"batch": True})
     first.start()
@@ -331,17 +282,7 @@ class GatedRenderer(ByteRenderer):
 
 
 def runner_with(loop: LoopThread, store: FakeStore, renderer: ByteRenderer, **config) -> JobRunner:  # type: ignore[no-untyped-def]
-    return JobRunner(
-        store,  # type: ignore[arg-type]
-        InstantEngine(),
-        loop,
-        renderer,
-        ResourceSampler(self_pid, None),
-        FakeStreams(),  # type: ignore[arg-type]
-        RunnerConfig(
-            "w1", lease_seconds=30, max_attempts=3, job_timeout_seconds=30, system_fingerprint="fp", **config
-        ),
-    )
+    return fake_runner(store, loop, renderer=renderer, **config)
 
 
 def test_a_request_over_the_bound_fails_alone_before_it_is_rendered(loop: LoopThread) -> None:
@@ -464,16 +405,7 @@ def test_worker_compiles_constraints_in_the_sandbox_and_fails_a_bomb_alone(loop:
     store.add("job_bomb", body(max_tokens=2, guided_grammar=chained_grammar()))
     store.add("job_ok", body(max_tokens=2, guided_regex="[0-9]+"))
     sandbox = ConstraintSandbox("guidance", processes=1)
-    runner = JobRunner(
-        store,  # type: ignore[arg-type]
-        InstantEngine(),
-        loop,
-        ByteRenderer(),
-        ResourceSampler(self_pid, None),
-        streams,  # type: ignore[arg-type]
-        RunnerConfig("w1", lease_seconds=30, max_attempts=3, job_timeout_seconds=30, system_fingerprint="fp"),
-        constraints=sandbox,
-    )
+    runner = fake_runner(store, loop, streams=streams, constraints=sandbox)
     try:
         statuses = runner.run_many(["job_bomb", "job_ok"])
     finally:

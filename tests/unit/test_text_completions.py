@@ -15,11 +15,9 @@ from app.schemas.completion import TextCompletion, TextCompletionChunk
 from app.schemas.text_completion import CompletionRequest
 from app.services.completion_contract import CompletionPolicy
 from app.settings import Settings
-from tests.unit.fakes import FakeStore, FakeStreams, served
-from worker.engine import ByteRenderer, InstantEngine
+from tests.unit.fakes import FakeStore, FakeStreams, fake_runner, served
+from worker.engine import InstantEngine
 from worker.loop import LoopThread
-from worker.runner import JobRunner, RunnerConfig
-from worker.stats import ResourceSampler, self_pid
 
 
 @pytest.fixture
@@ -35,15 +33,7 @@ def run_completion_with(
 ) -> tuple[dict[str, Any], FakeStreams]:
     store, streams = FakeStore(), FakeStreams()
     store.add("job_1", {"model": "m", **request}, kind="completion")
-    runner = JobRunner(
-        store,  # type: ignore[arg-type]
-        engine,
-        loop,
-        ByteRenderer(),
-        ResourceSampler(self_pid, None),
-        streams,  # type: ignore[arg-type]
-        RunnerConfig("w1", lease_seconds=30, max_attempts=3, job_timeout_seconds=30, system_fingerprint="fp"),
-    )
+    runner = fake_runner(store, loop, engine=engine, streams=streams)
     runner.run("job_1")
     return store.jobs["job_1"], streams
 
