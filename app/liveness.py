@@ -82,21 +82,49 @@ _QUEUED = JobStatus.QUEUED.value
 
 # --- the feeder's view (rows 2 and 10): batch lines with `enqueued_at` null are owed ------
 
+# A batch line the feeder owes a message (the predicate of ix_jobs_undispatched).
+_OWED = "status = 'queued' AND batch_id IS NOT NULL AND enqueued_at IS NULL"
+# The models with lines owed: a skip scan of ix_jobs_undispatched (one index probe per
+# model), not a read of every waiting line, so a round costs the same at 50 lines or
+# 5 million.
 OWED_MODELS = text(
-    "SELECT DISTINCT model FROM jobs WHERE status = 'queued' AND batch_id IS NOT NULL AND enqueued_at IS NULL"
+    f"""
+    WITH RECURSIVE m AS (
+      (SELECT model FROM jobs WHERE {_OWED} ORDER BY model LIMIT 1)
+      UNION ALL
+      SELECT (SELECT model FROM jobs WHERE {_OWED} AND model > m.model ORDER BY model LIMIT 1)
+      FROM m WHERE m.model IS NOT NULL
+    )
+    SELECT model FROM m WHERE model IS NOT NULL
+    """  # noqa: S608 - constants
 )
 # Lines out for a model, per tenant: sent (queued with `enqueued_at` set) or running.
 OUT_BY_TENANT = text(
     "SELECT tenant_id, count(*) AS n FROM jobs WHERE model = :model AND batch_id IS NOT NULL "
     "AND (status = 'running' OR (status = 'queued' AND enqueued_at IS NOT NULL)) GROUP BY tenant_id"
 )
-# Lines waiting per tenant, with the tenant's weight: what the fair share divides the
-# room among.
+# Lines waiting per tenant, counted up to :cap (the feeder's room: the fair share never
+# gives a tenant more), with the tenant's weight: what the fair share divides the room
+# among. Tenants by a skip scan, then at most :cap index entries each.
 OWED_BY_TENANT = text(
-    "SELECT w.tenant_id, w.n, coalesce(t.share_weight, 1.0) AS weight FROM ("
-    "SELECT tenant_id, count(*) AS n FROM jobs WHERE model = :model AND status = 'queued' "
-    "AND batch_id IS NOT NULL AND enqueued_at IS NULL GROUP BY tenant_id"
-    ") w LEFT JOIN tenants t ON t.id = w.tenant_id"
+    f"""
+    WITH RECURSIVE w AS (
+      (SELECT tenant_id FROM jobs WHERE model = :model AND {_OWED} ORDER BY tenant_id LIMIT 1)
+      UNION ALL
+      SELECT (SELECT tenant_id FROM jobs WHERE model = :model AND {_OWED} AND tenant_id > w.tenant_id
+              ORDER BY tenant_id LIMIT 1)
+      FROM w WHERE w.tenant_id IS NOT NULL
+    )
+    SELECT w.tenant_id, c.n, coalesce(t.share_weight, 1.0) AS weight
+    FROM w
+    CROSS JOIN LATERAL (
+      SELECT count(*) AS n FROM (
+        SELECT 1 FROM jobs WHERE model = :model AND tenant_id = w.tenant_id AND {_OWED} LIMIT :cap
+      ) AS lines
+    ) AS c
+    LEFT JOIN tenants t ON t.id = w.tenant_id
+    WHERE w.tenant_id IS NOT NULL
+    """  # noqa: S608 - constants
 )
 # Takes owed lines to send, in priority order, then earliest deadline first, then batch
 # order, then lines sharing a prompt prefix together in line order (app/domain/line_order.py):

@@ -186,3 +186,51 @@ def test_queue_depth_counts_every_priority_list(r: Redis[bytes]) -> None:
     r.rpush("llmq.m:6", b"3")
     r.rpush("llmq.other", b"4")
     assert liveness.depth("m") == 3
+
+
+class CountingLifecycle:
+    """Stands in for BatchLifecycle: the scheduler's rounds are what is under test."""
+
+    def __init__(self) -> None:
+        self.rounds: list[float] = []
+
+    def feed(self) -> Any:
+        self.rounds.append(time.monotonic())
+        return type("Fed", (), {"lines": 0, "messages": 0})()
+
+    def resume_validating(self) -> None: ...
+    def expire_due(self) -> int:
+        return 0
+
+    def finalize_done(self) -> int:
+        return 0
+
+
+def test_a_chunk_ending_wakes_the_feeder_before_its_tick(r: Redis[bytes]) -> None:
+    from worker.batches import WAKE_KEY, BatchScheduler, wake_feeder
+
+    lifecycle = CountingLifecycle()
+    lock = LeaseLock(r, "batches-test", "w1", lease_seconds=5)
+    scheduler = BatchScheduler(lock, lifecycle, tick_seconds=5.0, redis=r)  # type: ignore[arg-type]
+    scheduler.start()
+    try:
+        time.sleep(0.3)
+        assert lifecycle.rounds == []  # the tick is 5 s away
+        woken = time.monotonic()
+        wake_feeder(r)
+        deadline = time.monotonic() + 3
+        while not lifecycle.rounds and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert lifecycle.rounds and lifecycle.rounds[0] - woken < 1.0
+        time.sleep(0.2)
+        assert len(lifecycle.rounds) == 1 and r.llen(WAKE_KEY) == 0
+    finally:
+        scheduler.stop()
+
+
+def test_wake_ups_nobody_took_coalesce_into_one(r: Redis[bytes]) -> None:
+    from worker.batches import WAKE_KEY, wake_feeder
+
+    for _ in range(5):
+        wake_feeder(r)
+    assert r.llen(WAKE_KEY) == 1

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from redis.exceptions import RedisError
+
 from app.connections import WEBHOOK_POOL, worker_pool
 from app.container import object_store, redis_client
 from app.db import Database
@@ -30,7 +32,7 @@ from app.services.model_files import local_folder, read_config, vocab_size
 from app.services.sandbox import ConstraintSandbox
 from app.services.webhook_delivery import DeliveryConfig, WebhookDeliverer
 from app.settings import Settings
-from worker.batches import BatchScheduler
+from worker.batches import BatchScheduler, wake_feeder
 from worker.control import CancelListener, LeaseKeeper, Presence, RegistryHeartbeat
 from worker.engine import Engine, InstantEngine
 from worker.expiry import ExpiryTask
@@ -194,6 +196,7 @@ class WorkerRuntime:
                 cold_window=settings.batch_cold_window,
             ),
             tick_seconds=settings.batch_tick_seconds,
+            redis=self.redis,
         )
         self.expiry = ExpiryTask(
             LeaseLock(self.redis, "expiry", self.name, lease_seconds=LEADER_LEASE_SECONDS),
@@ -237,6 +240,13 @@ class WorkerRuntime:
         self.tokenizer_source = settings.model if isinstance(renderer, ChatRenderer) else None
         self._vocab_size: int | None = None
         self._stopped = threading.Event()
+
+    def wake_feeder(self) -> None:
+        """A chunk of batch lines ended: the feeder sends the next lines now."""
+        try:
+            wake_feeder(self.redis)
+        except RedisError as exc:  # the feeder's tick comes anyway
+            log.debug("feeder wake-up not sent", extra={"error": type(exc).__name__})
 
     def _absent(self, owners: list[str]) -> set[str]:
         """Lease owners that are gone; never this worker, which is alive by definition."""

@@ -32,4 +32,5 @@ def register_tasks(app: Celery) -> None:
             statuses = rt.runner.run_many(job_ids, batch=True)
         finally:
             rt.liveness.spent(*job_ids)
+            rt.wake_feeder()
         return sum(1 for s in statuses.values() if s is not None)

@@ -106,7 +106,7 @@ class BatchLifecycle:
                 room = window - sum(out.values())
                 if room < chunk:
                     continue
-                owed = s.execute(OWED_BY_TENANT, {"model": model}).all()
+                owed = s.execute(OWED_BY_TENANT, {"model": model, "cap": room}).all()
                 waiting = {r.tenant_id: int(r.n) for r in owed}
                 weights = {r.tenant_id: float(r.weight) for r in owed}
                 picks = self._share.pick(waiting, room, weights, out)

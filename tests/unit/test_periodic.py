@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import threading
+import time
 
 import pytest
 
@@ -40,3 +42,48 @@ def test_it_stops_and_runs_nothing_before_it_starts() -> None:
     settled = len(rounds)
     wait_until(lambda: not periodic._thread.is_alive())
     assert len(rounds) == settled
+
+
+def test_a_wait_that_returns_early_runs_the_next_round_early_but_not_sooner_than_the_floor() -> None:
+    rounds: list[float] = []
+    woken = threading.Event()
+
+    def wait(seconds: float) -> None:
+        woken.wait(seconds)
+        woken.clear()
+
+    periodic = Periodic(
+        "llmq-test",
+        30.0,
+        lambda: rounds.append(time.monotonic()),
+        log=logging.getLogger("llmq.test"),
+        wait=wait,
+        min_interval=0.2,
+    )
+    periodic.start()
+    try:
+        started = time.monotonic()
+        woken.set()
+        wait_until(lambda: rounds)
+        assert rounds[0] - started >= 0.2  # the floor
+        woken.set()
+        wait_until(lambda: len(rounds) == 2)
+        assert rounds[1] - started < 5.0  # long before the 30 s interval
+    finally:
+        periodic.stop()
+
+
+def test_a_failing_wait_falls_back_to_the_interval() -> None:
+    rounds: list[int] = []
+
+    def wait(seconds: float) -> None:
+        raise ConnectionError("Redis away")
+
+    periodic = Periodic(
+        "llmq-test", 0.01, lambda: rounds.append(1), log=logging.getLogger("llmq.test"), wait=wait
+    )
+    periodic.start()
+    try:
+        wait_until(lambda: len(rounds) >= 3)
+    finally:
+        periodic.stop()
