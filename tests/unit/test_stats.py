@@ -93,3 +93,11 @@ def test_sampler_integrates_each_devices_energy() -> None:
     )
     assert sampler.energy_joules()["gpu0"] == pytest.approx(expected)
     assert ResourceSampler(lambda: [os.getpid()], None).energy_joules() == {}
+
+
+def test_a_window_holds_exactly_the_samples_between_its_ends_in_time_order() -> None:
+    sampler = ResourceSampler(lambda: [os.getpid()], FakeSensor())
+    samples = [sampler.sample() for _ in range(6)]
+    assert sampler.window(samples[1].t, samples[4].t) == samples[1:5]
+    assert sampler.window(samples[0].t, samples[0].t) == samples[:1]
+    assert sampler.window(samples[5].t, samples[5].t + 10) == samples[5:]
