@@ -66,7 +66,37 @@ def celery_config(settings: Settings) -> dict[str, Any]:
     }
 
 
+def reuse_broker_clients() -> None:
+    """One redis-py client per kombu channel and pool, not one per broker call.
+
+    kombu's Redis channel builds a new `redis.Redis` for every publish, acknowledgement and
+    QoS step (`Channel._create_client`), and redis-py 8 spends about 130 µs building one
+    (its table of response callbacks): a few times per job, in the API and in the worker.
+    The client object holds no connection of its own (its pool does), so one per channel
+    does the same work; a channel whose pool is replaced (after a reconnect) gets a new one.
+    The asynchronous client (BRPOP) is kombu's own, already kept per channel."""
+    from kombu.transport import redis as kombu_redis
+
+    create = kombu_redis.Channel._create_client
+    if getattr(create, "_llmq_reused", False):
+        return
+
+    def _create_client(self: Any, asynchronous: bool = False) -> Any:
+        if asynchronous:
+            return create(self, asynchronous=True)
+        pool = self.pool
+        client = self.__dict__.get("_llmq_client")
+        if client is None or client.connection_pool is not pool:
+            client = create(self)
+            self.__dict__["_llmq_client"] = client
+        return client
+
+    _create_client._llmq_reused = True  # type: ignore[attr-defined]
+    kombu_redis.Channel._create_client = _create_client
+
+
 def create_producer(settings: Settings) -> Celery:
+    reuse_broker_clients()
     app = Celery("llmq-producer", set_as_current=False)
     app.conf.update(celery_config(settings))
     return app

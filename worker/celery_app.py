@@ -12,7 +12,7 @@ from kombu import Queue
 
 from app import tracing
 from app.logs import configure_logging
-from app.queue import celery_config, queue_name
+from app.queue import celery_config, queue_name, reuse_broker_clients
 from app.settings import Settings
 from worker import runtime
 from worker.kombu_fixes import survive_broker_loss
@@ -23,6 +23,7 @@ log = logging.getLogger("llmq.worker")
 
 def create_celery(settings: Settings) -> Celery:
     survive_broker_loss()
+    reuse_broker_clients()
     # Before the runtime creates its database engine (SQLAlchemy is instrumented then).
     tracing.setup(settings, service="llmq-worker")
     app = Celery("llmq-worker")

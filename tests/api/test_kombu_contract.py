@@ -78,3 +78,21 @@ def test_llmq_reads_what_a_real_kombu_consumer_leaves_unacknowledged(
         liveness.drop_deliveries(sorted(tags))
         assert not any(redis.hexists(UNACKED, tag) for tag in tags)
         assert not {single, *chunk} & liveness.delivered_job_ids()
+
+
+def test_a_channel_keeps_one_redis_client_until_its_pool_changes(broker: Any) -> None:
+    """reuse_broker_clients: kombu asks its channel for a client on every call; llmq's
+    producer gets the same one each time (built once, ~130 µs saved a call), and messages
+    still go out and come back through it."""
+    queue, _liveness, celery, _redis = broker
+    with celery.connection_for_write() as conn:
+        channel = conn.default_channel
+        first = channel._create_client()
+        assert channel._create_client() is first
+        assert channel._create_client(asynchronous=True) is not first
+        channel._pool = None  # what kombu does when the connection is lost
+        assert channel._create_client() is not first
+    model = f"reuse-{secrets.token_hex(4)}"
+    queue.enqueue("job_reuse", model, 0)
+    with take_without_ack(celery, model, 1) as taken:
+        assert taken[0].payload[0] == ["job_reuse"]
