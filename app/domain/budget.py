@@ -3,8 +3,9 @@ API (with its own token count, before queuing) and the worker (with the rendered
 
 from __future__ import annotations
 
-import json
 from typing import Any
+
+from pydantic_core import to_json
 
 from app.errors import InvalidRequest
 from app.schemas.text_completion import CompletionRequest, JobRequest
@@ -50,10 +51,12 @@ def estimate_prompt_tokens(req: JobRequest) -> int:
         if isinstance(prompt, list):
             return len(prompt)
         return -(-len(prompt.encode("utf-8")) // BYTES_PER_TOKEN)
-    parts: list[Any] = [m.model_dump(mode="json", exclude_none=True) for m in req.messages]
+    parts: list[Any] = list(req.messages)
     if req.tools:
-        parts.append([t.model_dump(mode="json", exclude_none=True) for t in req.tools])
-    size = len(json.dumps(parts, ensure_ascii=False).encode("utf-8"))
+        parts.append(req.tools)
+    # Compact JSON straight from the models, in pydantic-core: every line of an upload pays
+    # this, and dumping to dicts and then `json.dumps` cost 20 µs a line against 3.
+    size = len(to_json(parts, exclude_none=True))
     return -(-size // BYTES_PER_TOKEN)
 
 

@@ -63,6 +63,16 @@ def test_the_prompt_estimate_is_the_messages_bytes_over_four() -> None:
     assert estimate_prompt_tokens(request("é" * 400)) - short >= 199
 
 
+def test_tools_count_toward_the_prompt_estimate() -> None:
+    description = "d" * 800
+    tool = {"type": "function", "function": {"name": "f", "description": description, "parameters": {}}}
+    bare, with_tools = (
+        estimate_prompt_tokens(request("hi")),
+        estimate_prompt_tokens(request("hi", tools=[tool])),
+    )
+    assert 200 <= with_tools - bare <= 240  # the 800-byte description and the tool's own JSON
+
+
 def test_a_lines_figure_is_its_prompt_plus_what_it_may_generate() -> None:
     assert line_tokens(request("x", max_tokens=50), 10, 2048, 4096) == 60
     assert line_tokens(request("x", max_tokens=50, max_completion_tokens=70), 10, 2048, 4096) == 80
