@@ -10,7 +10,7 @@ An input line is kept as uploaded, so downloading the file gives back the same b
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import IO, Any
 
@@ -47,6 +47,34 @@ from app.settings import Settings
 log = logging.getLogger("llmq.files")
 
 MAX_REPORTED_ERRORS = 100
+DOWNLOAD_PAGE_BYTES = 1 << 20
+
+
+def page_end(sizes: Sequence[Any], budget: int) -> int | None:
+    """The last line number of a download page: `sizes` are (line_no, bytes) of the next
+    lines in order; as many as fit in `budget` bytes, and at least the first. None: no lines."""
+    if not sizes:
+        return None
+    last, total = sizes[0][0], 0
+    for line_no, size in sizes:
+        total += size or 0
+        if total > budget and line_no != sizes[0][0]:
+            break
+        last = line_no
+    return int(last)
+
+
+def primed(lines: Iterator[bytes]) -> Iterator[bytes]:
+    """`lines` with its first page already read: that query runs while the request is
+    handled, where a full pool is a 503, not a body that breaks after its 200 was sent."""
+    first = next(lines, None)
+
+    def rest() -> Iterator[bytes]:
+        if first is not None:
+            yield first
+            yield from lines
+
+    return rest()
 
 
 class UploadRejected(InvalidRequest):
@@ -384,24 +412,36 @@ class FileService:
         generated from its batch's job rows. Raises NotFound for another tenant's file."""
         f = self.get(principal, file_id)
         if f.batch_id is not None and f.batch_part is not None:
-            return f, output_lines(self._db, f.batch_id, f.batch_part)
-        return f, self.input_lines(file_id)
+            return f, primed(output_lines(self._db, f.batch_id, f.batch_part))
+        return f, primed(self.input_lines(file_id))
 
-    def input_lines(self, file_id: str, *, page: int = DOWNLOAD_PAGE_ROWS) -> Iterator[bytes]:
-        """The file as uploaded, a line at a time, read from Postgres in pages of `page`
-        lines. Each page is its own short query (keyset on the line number), so a client
-        that reads slowly, or not at all, holds no pooled connection between pages."""
+    def input_lines(
+        self, file_id: str, *, page: int = DOWNLOAD_PAGE_ROWS, page_bytes: int = DOWNLOAD_PAGE_BYTES
+    ) -> Iterator[bytes]:
+        """The file as uploaded, a line at a time, read from Postgres in pages of at most
+        `page` lines and about `page_bytes` (always at least one line, which may be up to the
+        32 MiB line bound). Each page is its own short query (keyset on the line number), so a
+        client that reads slowly, or not at all, holds no pooled connection between pages and
+        an API process holds one page of each download in memory, not a thousand huge lines."""
         after = 0
         while True:
+            in_order = (FileLine.file_id == file_id, FileLine.line_no > after)
             with self._db.engine.connect() as conn:
-                rows = conn.execute(
-                    select(FileLine.line_no, FileLine.raw)
-                    .where(FileLine.file_id == file_id, FileLine.line_no > after)
+                # Sizes first: octet_length reads the stored length, not the (TOASTed) text.
+                sizes = conn.execute(
+                    select(FileLine.line_no, func.octet_length(FileLine.raw))
+                    .where(*in_order)
                     .order_by(FileLine.line_no)
                     .limit(page)
                 ).all()
-            for _, raw in rows:
+                last = page_end(sizes, page_bytes)
+                if last is None:
+                    return
+                rows = conn.execute(
+                    select(FileLine.raw).where(*in_order, FileLine.line_no <= last).order_by(FileLine.line_no)
+                ).all()
+            for (raw,) in rows:
                 yield raw.encode("utf-8") + b"\n"
-            if len(rows) < page:
+            if len(sizes) < page and last == sizes[-1][0]:
                 return
-            after = rows[-1].line_no
+            after = last

@@ -18,6 +18,7 @@ from flask import Flask
 from flask.testing import FlaskClient
 from sqlalchemy import text
 
+import app.services.files as files_module
 from app.api import create_app
 from app.container import Services, build_services
 from app.events import job_channel, job_stream, notification
@@ -301,6 +302,32 @@ def test_an_unread_download_holds_no_database_connection(quick_app: Flask, quick
     assert [x["custom_id"] for x in lines] == [f"req-{i}" for i in range(2100)]
 
 
+def test_a_download_page_is_bounded_in_bytes_not_only_lines(
+    quick_app: Flask, quick: Services, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pages stop at the byte budget (at least one line each, even a line over it), so an API
+    process holds one page of a file with huge lines, and the file still comes back whole."""
+    client = quick_app.test_client()
+    key = new_key(quick)
+    sizes = [300, 300, 300, 5000, 300, 300, 300, 300, 300, 300, 300]  # one line over the budget
+    body = jsonl([line(i, messages=[{"role": "user", "content": "x" * n}]) for i, n in enumerate(sizes)])
+    file_id = upload(client, key, body).get_json()["id"]
+    pages: list[list[int]] = []  # the byte sizes of each page's lines
+    real_page_end = files_module.page_end
+
+    def recorded(rows: Any, budget: int) -> int | None:
+        end = real_page_end(rows, budget)
+        pages.append([size for no, size in rows if end is not None and no <= end])
+        return end
+
+    monkeypatch.setattr(files_module, "page_end", recorded)
+    assert b"".join(quick.files.input_lines(file_id, page_bytes=1000)) == body
+    assert [len(p) for p in pages if p] != [len(sizes)]  # it did page
+    assert all(sum(p) <= 1000 or len(p) == 1 for p in pages)
+    assert [p for p in pages if sum(p) > 1000] == [[len(body.splitlines()[3])]]  # the big line alone
+    assert sum(len(p) for p in pages) == len(sizes)
+
+
 def test_an_unread_batch_output_holds_no_database_connection(quick_app: Flask, quick: Services) -> None:
     from app.services.batch_output import output_lines
 
@@ -342,6 +369,30 @@ def test_an_exhausted_pool_is_a_503_with_retry_after(quick_app: Flask, quick: Se
     assert r.status_code == 503
     assert int(r.headers["Retry-After"]) >= 1
     assert r.get_json()["error"]["type"] == "service_unavailable_error"
+
+
+def test_a_download_whose_first_page_meets_a_full_pool_is_a_503(
+    quick_app: Flask, quick: Services, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first page is read before the 200 goes out, so a full pool there is the same 503,
+    never a 200 whose body breaks off."""
+    from sqlalchemy.exc import TimeoutError as PoolTimeout
+
+    client = quick_app.test_client()
+    key = new_key(quick)
+    file_id = upload(client, key, jsonl([line(i) for i in range(3)])).get_json()["id"]
+
+    def full_pool(file_id: str) -> Iterator[bytes]:
+        raise PoolTimeout("QueuePool limit reached")
+        yield b""  # a generator, as the real one
+
+    monkeypatch.setattr(quick.files, "input_lines", full_pool)
+    for _ in range(4):  # more than the key's cap of 3 open downloads: each 503 gave its slot back
+        r = client.get(f"/v1/files/{file_id}/content", headers=auth(key), buffered=False)
+        assert r.status_code == 503 and r.get_json()["error"]["type"] == "service_unavailable_error"
+    monkeypatch.undo()
+    r = client.get(f"/v1/files/{file_id}/content", headers=auth(key))
+    assert r.status_code == 200 and r.data == jsonl([line(i) for i in range(3)])
 
 
 # --- SSE reads shared per job ------------------------------------------------------------
