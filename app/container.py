@@ -86,6 +86,7 @@ class Services:
         return self.models.names()
 
     def close(self) -> None:
+        self.streams.close()
         self.db.dispose()
         self.redis.close()
         if self.constraints is not None:

@@ -69,6 +69,12 @@ class Periodic:
     def stop(self) -> None:
         self._stop.set()
 
+    def join(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for a stopped thread to end; whether it has."""
+        if self.started:
+            self._thread.join(timeout)
+        return not self._thread.is_alive()
+
     @property
     def started(self) -> bool:
         return self._thread.ident is not None

@@ -226,6 +226,8 @@ def test_a_chunk_ending_wakes_the_feeder_before_its_tick(r: Redis[bytes]) -> Non
         assert len(lifecycle.rounds) == 1 and r.llen(WAKE_KEY) == 0
     finally:
         scheduler.stop()
+        wake_feeder(r)  # out of its 5 s BLPOP, so the thread ends before the client closes
+        assert scheduler.join(3)
 
 
 def test_wake_ups_nobody_took_coalesce_into_one(r: Redis[bytes]) -> None:

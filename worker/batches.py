@@ -80,3 +80,6 @@ class BatchScheduler:
 
     def stop(self) -> None:
         self._periodic.stop()
+
+    def join(self, timeout: float) -> bool:
+        return self._periodic.join(timeout)

@@ -59,9 +59,6 @@ BATCH_COUNTS = text(
 )
 
 
-# The same figures for a page of batches at once, and each batch's model (its first line's).
-
-
 def materialize(db: Database, batch_id: str) -> bool:
     """Turn a `validating` batch's input lines into its jobs (one INSERT ... SELECT), each
     with its prefix key (app/domain/line_order.py), and move it to `in_progress`.

@@ -50,6 +50,13 @@ class Notifier:
         self._versions: dict[str, int] = {}
         self._feeds: dict[str, JobFeed] = {}
         self._thread: threading.Thread | None = None
+        self._closing = threading.Event()
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Stop the pub/sub thread (before the Redis client it reads is closed)."""
+        self._closing.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
 
     def _ensure_started(self) -> None:
         with self._lock:
@@ -91,7 +98,7 @@ class Notifier:
                         self._pending.append(("unsub", channel))
 
     def _loop(self) -> None:
-        while True:
+        while not self._closing.is_set():
             pubsub = self._redis.pubsub()
             try:
                 with self._lock:
@@ -100,7 +107,7 @@ class Notifier:
                 if channels:
                     pubsub.subscribe(*channels)
                 self._wake_all()  # whatever happened while disconnected, look again
-                while True:
+                while not self._closing.is_set():
                     self._apply_pending(pubsub)
                     message = pubsub.get_message(timeout=self._poll)
                     if message is not None:
@@ -108,7 +115,7 @@ class Notifier:
             except RedisError as exc:
                 log.warning("notifier reconnecting", extra={"error": type(exc).__name__})
                 self._wake_all()
-                time.sleep(0.5)
+                self._closing.wait(0.5)
             finally:
                 pubsub.close()
 

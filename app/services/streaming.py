@@ -116,6 +116,9 @@ class StreamService:
         self._key_check = key_check_seconds
         self._key_watch = KeyWatch(keys, key_check_seconds)
 
+    def close(self) -> None:
+        self._notifier.close()
+
     # --- reads -------------------------------------------------------------------------
 
     def _view(self, principal: Principal, job_id: str) -> JobView:

@@ -87,3 +87,16 @@ def test_a_failing_wait_falls_back_to_the_interval() -> None:
         wait_until(lambda: len(rounds) >= 3)
     finally:
         periodic.stop()
+
+
+def test_join_waits_for_a_stopped_thread_to_end() -> None:
+    released = threading.Event()
+    periodic = Periodic(
+        "llmq-test", 30.0, lambda: None, log=logging.getLogger("llmq.test"), wait=released.wait
+    )
+    assert periodic.join(0.1)  # never started: nothing to wait for
+    periodic.start()
+    periodic.stop()
+    assert not periodic.join(0.1)  # still in its wait
+    released.set()
+    assert periodic.join(2)
