@@ -22,12 +22,12 @@ from bench.common import save, service
 SERVED = "bench-b4"
 
 
-def write_file(path: Path, lines: int, content_chars: int) -> int:
+def write_file(path: Path, lines: int, content_chars: int, *, model: str = SERVED) -> int:
     filler = "lorem ipsum " * (content_chars // 12 + 1)
     with path.open("w") as f:
         for i in range(lines):
             body = {
-                "model": SERVED,
+                "model": model,
                 "messages": [
                     {"role": "system", "content": "Be brief."},
                     {"role": "user", "content": f"{i} {filler[:content_chars]}"},

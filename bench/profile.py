@@ -1,9 +1,9 @@
 """Where the CPU goes: py-spy samples the API's gunicorn workers and the Celery worker (not
 vLLM's engine core) while a load runs, and prints the top frames by own time and, among
-llmq's code, by inclusive time. `python -m bench.profile submit|batch [--seconds 15]`
+llmq's code, by inclusive time. `python -m bench.profile submit|batch|upload [--seconds 15]`
 
 submit: closed-loop POST /v2/jobs (B3's load); batch: a 50,000-line batch (B2's), sampled
-while it runs.
+while it runs; upload: B4's 50,000-line file uploaded again and again.
 Collapsed stacks are written to bench/results/profile-<load>-<process>.txt (flamegraph.pl
 or speedscope read them). Needs py-spy (the dev extra) and the right to ptrace (root).
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 
 from app.cli.client import LlmqClient
-from bench import b2_overhead, load
+from bench import b2_overhead, b4_ingest, load
 from bench.common import RESULTS, service
 
 OURS = ("(app/", "(worker/", "(bench/")
@@ -70,9 +70,15 @@ def _wait_ended(client: LlmqClient, batch_id: str) -> None:
         time.sleep(0.5)
 
 
+def _upload_for(client: LlmqClient, path: Path, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        client.upload_batch_file(path)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("load", choices=("submit", "batch"))
+    p.add_argument("load", choices=("submit", "batch", "upload"))
     p.add_argument("--seconds", type=float, default=15)
     a = p.parse_args()
     env = {
@@ -100,6 +106,11 @@ def main() -> None:
                 target=load.run,
                 args=(load.request_fn(stack.base_url, "POST", "/v2/jobs", body, auth), 4, a.seconds + 2),
             )
+        elif a.load == "upload":
+            path = Path(tempfile.mkdtemp()) / "profile.jsonl"
+            b4_ingest.write_file(path, 50_000, 120, model=b2_overhead.SERVED)
+            client = LlmqClient(stack.base_url, stack.api_key, timeout=600)
+            work = threading.Thread(target=_upload_for, args=(client, path, a.seconds + 2))
         else:
             # Sampling starts once the batch runs (its upload and creation are B4's).
             path = Path(tempfile.mkdtemp()) / "profile.jsonl"
