@@ -136,8 +136,9 @@ def build_services(settings: Settings, *, s3_client: Callable[[], Any] | None = 
     queue = JobQueue(create_producer(settings), liveness)
     events = JobEvents(redis)
     keys = KeyService(db)
-    # Nothing model-specific is loaded here: a tokenizer is read on the first request that
-    # needs it (app/services/tokenizers.py).
+    # Nothing model-specific is loaded here: the served app warms its tokenizers in the
+    # background, else one is read on the first request that needs it
+    # (app/services/tokenizers.py).
     tokenizers = (
         PromptCounters(settings, size=settings.api_tokenizer_cache_size)
         if settings.api_counts_prompt_tokens

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-APP = "app.api:create_app()"
+APP = "app.api:serve_app()"
 # gunicorn's own lines in llmq's log format (JSON with LLMQ_LOG_JSON).
 LOGGER_CLASS = "app.gunicorn_logging.Logger"
 

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import logging
+import threading
+
 from flask import Flask, request
 
 from app.container import Services, build_services
 from app.errors import InvalidRequest
 from app.metrics import ROUTE_KEY
 from app.settings import Settings
+
+log = logging.getLogger("llmq.api")
 
 
 def create_app(settings: Settings | None = None, *, services: Services | None = None) -> Flask:
@@ -74,6 +79,35 @@ def create_app(settings: Settings | None = None, *, services: Services | None = 
         observe=app.extensions["llmq"].api_metrics.observe_request,
     )
     return app
+
+
+def serve_app(settings: Settings | None = None) -> Flask:
+    """The app as gunicorn serves it (app/serve.py): `create_app`, and this process's
+    tokenizers warmed in the background."""
+    app = create_app(settings)
+    warm_tokenizers(app.extensions["llmq"])
+    return app
+
+
+def warm_tokenizers(services: Services) -> threading.Thread | None:
+    """Load the tokenizers of the models this API knows now (declared, or served by live
+    workers) on a thread of its own (a greenlet under gevent): a process's first requests
+    then find them loaded instead of waiting seconds for the load (app/services/tokenizers.py)."""
+    if services.tokenizers is None:
+        return None
+    counters = services.tokenizers
+
+    def warm() -> None:
+        try:
+            models = list(services.models.all().values())
+        except Exception as exc:  # noqa: BLE001 - Redis away: requests load on first use
+            log.warning("tokenizer warm-up skipped", extra={"error": type(exc).__name__})
+            return
+        counters.warm(models)
+
+    thread = threading.Thread(target=warm, name="llmq-tokenizers-warm", daemon=True)
+    thread.start()
+    return thread
 
 
 def _note_route() -> None:

@@ -8,9 +8,13 @@ local Hugging Face cache). Otherwise the request is queued and the worker, which
 every prompt, fails the job alone with the same error (app/domain/budget.py).
 
 Bounded memory: at most `size` renderers (a tokenizer and its template sandbox) per API
-process, the least recently used dropped first. Nothing is loaded at start. A load runs in
-a native thread when gevent runs this process, so the API's event loop keeps serving while
-a tokenizer is read (the GIL is handed back every few milliseconds).
+process, the least recently used dropped first. A served API process warms the tokenizers
+of the models it knows at start, in the background (`warm`; app/api/__init__.py): a load
+takes seconds (transformers' import, the tokenizer files), longer on a busy host, and a
+request that needs a tokenizer waits for its load, so the first requests of a process must
+not be the ones that pay for it. A load runs in a native thread when gevent runs this
+process, so the API's event loop keeps serving while a tokenizer is read (the GIL is
+handed back every few milliseconds).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, TypeVar
 
 from app.domain.text_prompt import prompt_ids
@@ -84,6 +88,18 @@ class PromptCounters:
                 return self._count_with(renderer)
         return None
 
+    def warm(self, models: Iterable[ServedModel]) -> None:
+        """Load the tokenizers of `models` (at most `size` of them) now, so that no request
+        waits for the load; a source that cannot be read here is logged and skipped."""
+        for model in list(models)[: self._size]:
+            try:
+                self.counter(model)
+            except Exception as exc:  # noqa: BLE001 - a request will try again and say why
+                log.warning(
+                    "tokenizer warm-up failed",
+                    extra={"model": model.name, "error": f"{type(exc).__name__}: {exc}"[:200]},
+                )
+
     def _count_with(self, renderer: ChatRenderer) -> PromptCounter:
         parser = self._settings.tool_call_parser
 
@@ -146,8 +162,11 @@ class PromptCounters:
             raise LookupError("neither a folder on this machine nor in the local Hugging Face cache")
         from transformers import AutoTokenizer
 
-        # Only reading the tokenizer goes to a native thread: the sandbox's queue and locks
-        # are made here, on the thread (and gevent hub) whose requests will wait on them.
+        # Only reading the tokenizer goes to a native thread: transformers' import spawns a
+        # subprocess (ctypes.util), which gevent allows on its main loop only, and the
+        # sandbox's queue and locks are made here, on the thread (and gevent hub) whose
+        # requests will wait on them. The import takes seconds once per process, which is
+        # why the served app warms its tokenizers at start.
         tokenizer = off_loop(lambda: AutoTokenizer.from_pretrained(folder))
         # gevent workers: a render with user input must never run in this process (it would
         # block every greenlet); the sandbox children render it under the time limit.

@@ -4,11 +4,16 @@ passed both would test something other than what it says."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+
 import pytest
 
-from app.api import create_app
+from app.api import create_app, serve_app
 from app.container import Services
 from app.settings import Settings
+from tests.helpers import ROOT, TINY_DIR
 
 
 def test_settings_beside_services_is_refused(settings: Settings, services: Services) -> None:
@@ -21,3 +26,23 @@ def test_services_bring_their_own_settings(services: Services) -> None:
     app = create_app(services=services)
     assert app.config["MAX_CONTENT_LENGTH"] == services.settings.max_body_bytes
     assert app.extensions["llmq"] is services
+
+
+def test_the_served_app_warms_its_tokenizers_before_any_request(settings: Settings) -> None:
+    """The app as gunicorn serves it loads the known models' tokenizers in the background,
+    so a process's first requests do not wait seconds for the load."""
+    if not (TINY_DIR / "config.json").exists():
+        subprocess.run(
+            [sys.executable, "-m", "app.cli.main", "model", "build-tiny", str(TINY_DIR)], check=True, cwd=ROOT
+        )
+    served = settings.model_copy(update={"model": str(TINY_DIR), "served_model_name": "tiny-warm"})
+    app = serve_app(served)
+    services = app.extensions["llmq"]
+    try:
+        assert services.tokenizers is not None
+        deadline = time.monotonic() + 120
+        while str(TINY_DIR) not in services.tokenizers.loaded() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert services.tokenizers.loaded() == [str(TINY_DIR)]
+    finally:
+        services.close()

@@ -182,6 +182,23 @@ def test_an_unreachable_tokenizer_leaves_counting_to_the_worker_and_is_retried_l
     assert count is not None and count(req("m")) == 2
 
 
+def test_warm_loads_the_known_models_tokenizers_up_to_the_cache_size() -> None:
+    loads: list[str] = []
+
+    def load(source: str) -> Any:
+        loads.append(source)
+        if source == "/not/here":
+            raise LookupError("not on this machine")
+        return FakeRenderer(source)
+
+    counters = PromptCounters(Settings(), size=2, load=load)
+    models = [ServedModel(n, tokenizers=(src,)) for n, src in (("a", "/not/here"), ("b", "bb"), ("c", "cc"))]
+    counters.warm(models)  # one that cannot load is skipped, the next still loads
+    assert loads == ["/not/here", "bb"] and counters.loaded() == ["bb"]
+    count = counters.counter(models[1])
+    assert count is not None and count(req("b")) == 2 and loads == ["/not/here", "bb"]  # no second load
+
+
 def test_a_model_folder_that_is_not_here_is_not_looked_up_as_a_name() -> None:
     from app.services.model_files import local_folder
 
