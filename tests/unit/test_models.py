@@ -4,6 +4,7 @@ counting per model with a bounded set of tokenizers, and the feeder's window for
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -160,9 +161,8 @@ def test_tokenizers_load_on_first_use_and_the_least_recently_used_is_dropped() -
     assert counters.loaded() == ["a", "ccc"] and made["bb"].closed and not made["a"].closed
 
 
-def test_an_unreachable_tokenizer_leaves_counting_to_the_worker_and_is_retried_later() -> None:
-    now = [0.0]
-    attempts: list[str] = []
+def loader(attempts: list[str]) -> Callable[[str], Any]:
+    """A renderer loader that records each source tried; "/not/here" is not on this machine."""
 
     def load(source: str) -> Any:
         attempts.append(source)
@@ -170,7 +170,13 @@ def test_an_unreachable_tokenizer_leaves_counting_to_the_worker_and_is_retried_l
             raise LookupError("not on this machine")
         return FakeRenderer(source)
 
-    counters = PromptCounters(Settings(), size=2, load=load, clock=lambda: now[0])
+    return load
+
+
+def test_an_unreachable_tokenizer_leaves_counting_to_the_worker_and_is_retried_later() -> None:
+    now = [0.0]
+    attempts: list[str] = []
+    counters = PromptCounters(Settings(), size=2, load=loader(attempts), clock=lambda: now[0])
     gone = ServedModel("m", tokenizers=("/not/here",))
     assert counters.counter(gone) is None
     assert counters.counter(gone) is None and attempts == ["/not/here"]  # not retried at once
@@ -184,14 +190,7 @@ def test_an_unreachable_tokenizer_leaves_counting_to_the_worker_and_is_retried_l
 
 def test_warm_loads_the_known_models_tokenizers_up_to_the_cache_size() -> None:
     loads: list[str] = []
-
-    def load(source: str) -> Any:
-        loads.append(source)
-        if source == "/not/here":
-            raise LookupError("not on this machine")
-        return FakeRenderer(source)
-
-    counters = PromptCounters(Settings(), size=2, load=load)
+    counters = PromptCounters(Settings(), size=2, load=loader(loads))
     models = [ServedModel(n, tokenizers=(src,)) for n, src in (("a", "/not/here"), ("b", "bb"), ("c", "cc"))]
     counters.warm(models)  # one that cannot load is skipped, the next still loads
     assert loads == ["/not/here", "bb"] and counters.loaded() == ["bb"]
