@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import threading
 
 from flask import Flask, request
@@ -11,8 +10,6 @@ from app.container import Services, build_services
 from app.errors import InvalidRequest
 from app.metrics import ROUTE_KEY
 from app.settings import Settings
-
-log = logging.getLogger("llmq.api")
 
 
 def create_app(settings: Settings | None = None, *, services: Services | None = None) -> Flask:
@@ -89,25 +86,19 @@ def serve_app(settings: Settings | None = None) -> Flask:
     return app
 
 
-def warm_tokenizers(services: Services) -> threading.Thread | None:
+def warm_tokenizers(services: Services) -> None:
     """Load the tokenizers of the models this API knows now (declared, or served by live
-    workers) on a thread of its own (a greenlet under gevent): a process's first requests
-    then find them loaded instead of waiting seconds for the load (app/services/tokenizers.py)."""
-    if services.tokenizers is None:
-        return None
+    workers; the registry keeps its last view when Redis is away) on a thread of its own (a
+    greenlet under gevent): a process's first requests then find them loaded instead of
+    waiting seconds for the load (app/services/tokenizers.py)."""
     counters = services.tokenizers
-
-    def warm() -> None:
-        try:
-            models = list(services.models.all().values())
-        except Exception as exc:  # noqa: BLE001 - Redis away: requests load on first use
-            log.warning("tokenizer warm-up skipped", extra={"error": type(exc).__name__})
-            return
-        counters.warm(models)
-
-    thread = threading.Thread(target=warm, name="llmq-tokenizers-warm", daemon=True)
-    thread.start()
-    return thread
+    if counters is None:
+        return
+    threading.Thread(
+        target=lambda: counters.warm(services.models.all().values()),
+        name="llmq-tokenizers-warm",
+        daemon=True,
+    ).start()
 
 
 def _note_route() -> None:

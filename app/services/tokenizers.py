@@ -92,13 +92,7 @@ class PromptCounters:
         """Load the tokenizers of `models` (at most `size` of them) now, so that no request
         waits for the load; a source that cannot be read here is logged and skipped."""
         for model in list(models)[: self._size]:
-            try:
-                self.counter(model)
-            except Exception as exc:  # noqa: BLE001 - a request will try again and say why
-                log.warning(
-                    "tokenizer warm-up failed",
-                    extra={"model": model.name, "error": f"{type(exc).__name__}: {exc}"[:200]},
-                )
+            self.counter(model)  # a failed load is logged and remembered by `renderer`
 
     def _count_with(self, renderer: ChatRenderer) -> PromptCounter:
         parser = self._settings.tool_call_parser
