@@ -68,6 +68,7 @@ class BatchScheduler:
                 self._last_finalize = now
                 self._lifecycle.resume_validating()
                 self._lifecycle.expire_due()
+                self._lifecycle.end_left_lines()
                 self._lifecycle.finalize_done()
 
     def _wait(self, seconds: float) -> None:

@@ -158,6 +158,32 @@ class BatchLifecycle:
             log.warning("batch expired", extra={"batch_id": batch_id, "lines_expired": len(ended)})
         return len(due)
 
+    def end_left_lines(self, grace_seconds: float = 5.0) -> int:
+        """Batches cancelled or expired more than `grace_seconds` ago with lines still
+        unfinished (the API died between marking the batch and ending its lines, or a line
+        stayed locked past end_lines' patience) get those lines ended now."""
+        with self._db.session() as s:
+            left = s.execute(
+                text(
+                    "SELECT b.id, b.status FROM batches b WHERE "
+                    "((b.status = 'cancelling' AND b.cancelling_at < now() - make_interval(secs => :g)) "
+                    " OR (b.status = 'in_progress' AND b.expired_at < now() - make_interval(secs => :g))) "
+                    "AND EXISTS (SELECT 1 FROM jobs j WHERE j.batch_id = b.id "
+                    "            AND j.status IN ('queued', 'running'))"
+                ),
+                {"g": grace_seconds},
+            ).all()
+        for batch_id, batch_status in left:
+            cancelled = batch_status == BatchStatus.CANCELLING.value
+            status = JobStatus.CANCELLED if cancelled else JobStatus.EXPIRED
+            ended = end_lines(self._db, batch_id, status)
+            tell_ended(self._events, ended, status)
+            log.warning(
+                "batch lines left unfinished by its end; ended now",
+                extra={"batch_id": batch_id, "status": status.value, "lines_ended": len(ended)},
+            )
+        return len(left)
+
     def resume_validating(self, grace_seconds: float = 60.0) -> int:
         """Batches left `validating` (the API died between committing the batch and
         turning its lines into jobs) get their jobs now."""

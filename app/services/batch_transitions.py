@@ -5,6 +5,8 @@ batch that could not be created fails."""
 from __future__ import annotations
 
 import json
+import logging
+import time
 from datetime import UTC, datetime
 
 from sqlalchemy import select, text, update
@@ -20,6 +22,8 @@ from app.services import webhook_outbox
 from app.services.budgets import LINE_TOKENS
 from app.services.priority import PriorityBand
 from app.services.webhook_outbox import Event
+
+log = logging.getLogger("llmq.batches")
 
 ACTIVE = (BatchStatus.VALIDATING.value, BatchStatus.IN_PROGRESS.value, BatchStatus.CANCELLING.value)
 LINE_ERRORS = {
@@ -57,6 +61,13 @@ BATCH_COUNTS = text(
     FROM jobs WHERE batch_id = :batch GROUP BY status
     """
 )
+
+_UNFINISHED_LINES = text(
+    "SELECT count(*) FROM jobs WHERE batch_id = :batch AND status IN ('queued', 'running')"
+)
+# How soon end_lines looks again at lines a worker held locked (its statements take
+# milliseconds).
+END_LINES_RETRY_SECONDS = 0.01
 
 
 def materialize(db: Database, batch_id: str) -> bool:
@@ -118,26 +129,45 @@ def tell_ended(events: JobEvents, ended: list[tuple[str, int, str]], status: Job
     events.append_ends([(job_id, end_event(epoch, status.value, error)) for job_id, epoch, _ in ended])
 
 
-def end_lines(db: Database, batch_id: str, status: JobStatus) -> list[tuple[str, int, str]]:
+def end_lines(
+    db: Database, batch_id: str, status: JobStatus, *, patience_seconds: float = 10.0
+) -> list[tuple[str, int, str]]:
     """End every unfinished line of a batch as `status` (cancelled or expired). Running
     lines get a new epoch, so the worker's late write is refused. Returns (id, epoch, status
-    before) of each line ended."""
+    before) of each line ended.
+
+    Lines a worker is writing at this moment (a claim, a lease renewal, its results) are
+    skipped and taken on the next pass, a few milliseconds later: waiting for their locks
+    while holding the others would deadlock with the worker's statement, which locks its
+    rows in an order of its own. Lines still unfinished after `patience_seconds` (a lock
+    held that long) are left to the lifecycle's `end_left_lines`."""
     code, message = LINE_ERRORS[status.value]
     error = error_body(message, "invalid_request_error", code=code)
     stamp = "cancelled_at" if status == JobStatus.CANCELLED else "expired_at"
-    with db.session() as s:
-        rows = s.execute(
-            text(
-                f"""
-                WITH targets AS (
-                  SELECT id, status FROM jobs
-                  WHERE batch_id = :batch AND status IN ('queued', 'running') FOR UPDATE)
-                UPDATE jobs SET status = :status, {stamp} = now(), epoch = jobs.epoch + 1,
-                       error = CAST(:error AS json), lease_owner = NULL, lease_expires_at = NULL
-                FROM targets WHERE jobs.id = targets.id
-                RETURNING jobs.id, jobs.epoch, targets.status
-                """  # noqa: S608 - `stamp` is one of two column names
-            ),
-            {"batch": batch_id, "status": status.value, "error": json.dumps(error)},
-        ).all()
-    return [(r[0], r[1], r[2]) for r in rows]
+    end_free = text(
+        f"""
+        WITH targets AS (
+          SELECT id, status FROM jobs
+          WHERE batch_id = :batch AND status IN ('queued', 'running') FOR UPDATE SKIP LOCKED)
+        UPDATE jobs SET status = :status, {stamp} = now(), epoch = jobs.epoch + 1,
+               error = CAST(:error AS json), lease_owner = NULL, lease_expires_at = NULL
+        FROM targets WHERE jobs.id = targets.id
+        RETURNING jobs.id, jobs.epoch, targets.status
+        """  # noqa: S608 - `stamp` is one of two column names
+    )
+    params = {"batch": batch_id, "status": status.value, "error": json.dumps(error)}
+    ended: list[tuple[str, int, str]] = []
+    deadline = time.monotonic() + patience_seconds
+    while True:
+        with db.session() as s:
+            ended += [(r[0], r[1], r[2]) for r in s.execute(end_free, params)]
+            left = s.scalar(_UNFINISHED_LINES, {"batch": batch_id})
+        if not left:
+            return ended
+        if time.monotonic() >= deadline:
+            log.warning(
+                "batch lines still locked; the lifecycle ends them",
+                extra={"batch_id": batch_id, "lines_left": left, "lines_ended": len(ended)},
+            )
+            return ended
+        time.sleep(END_LINES_RETRY_SECONDS)

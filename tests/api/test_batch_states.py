@@ -5,6 +5,8 @@ size, and finalizing measures its files without holding the batch's row lock."""
 from __future__ import annotations
 
 import secrets
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -15,8 +17,10 @@ from flask.testing import FlaskClient
 from sqlalchemy import event, text
 
 from app.container import Services
+from app.domain.status import JobStatus
 from app.services import batch_lifecycle
 from app.services.batch_lifecycle import BatchLifecycle
+from app.services.batch_transitions import end_lines
 from tests.helpers import Stores, auth, create, jsonl, line, upload
 
 
@@ -247,3 +251,78 @@ def test_finalizing_measures_files_without_the_row_lock(
     meta = client.get(f"/v1/files/{done['output_file_id']}", headers=auth(key)).get_json()
     content = client.get(f"/v1/files/{done['output_file_id']}/content", headers=auth(key)).data
     assert meta["bytes"] == len(content) and len(content.splitlines()) == 5
+
+
+def running_lines(services: Services, batch_id: str) -> list[str]:
+    with services.db.session() as s:
+        return list(
+            s.scalars(
+                text(
+                    "UPDATE jobs SET status = 'running', epoch = epoch + 1, lease_owner = 'w', "
+                    "lease_expires_at = now() + interval '1 minute' WHERE batch_id = :b RETURNING id"
+                ),
+                {"b": batch_id},
+            )
+        )
+
+
+def test_ending_lines_skips_a_line_a_worker_holds_and_cannot_deadlock_with_it(
+    client: FlaskClient, services: Services, stores: Stores, tenant: tuple[str, str]
+) -> None:
+    """CI once got a 500 from a cancel: waiting for a line a worker's statement held
+    while holding the batch's other lines, which that statement wanted next."""
+    _, key = tenant
+    f = upload(client, key, jsonl([line(i) for i in range(4)])).get_json()
+    batch_id = create(client, key, f["id"]).get_json()["id"]
+    first, *_, last = ids = sorted(running_lines(services, batch_id))
+    ended: list[list[tuple[str, int, str]]] = []
+    with psycopg.connect(stores.database_url) as worker:  # one transaction, as a worker's statement
+        worker.execute("SELECT 1 FROM jobs WHERE id = %s FOR UPDATE", (last,))
+        ending = threading.Thread(
+            target=lambda: ended.append(end_lines(services.db, batch_id, JobStatus.CANCELLED))
+        )
+        ending.start()
+        time.sleep(0.3)
+        # The worker's statement goes on to another line: cancelled already, not locked.
+        assert (
+            worker.execute(
+                "UPDATE jobs SET status = 'succeeded' WHERE id = %s AND status = 'running'", (first,)
+            ).rowcount
+            == 0
+        )
+        worker.execute("UPDATE jobs SET status = 'succeeded' WHERE id = %s AND status = 'running'", (last,))
+        worker.commit()
+        ending.join(10)
+    assert not ending.is_alive() and len(ended) == 1
+    assert sorted(job_id for job_id, _, before in ended[0] if before == "running") == ids[:-1]
+    with services.db.session() as s:
+        found = s.execute(text("SELECT id, status FROM jobs WHERE batch_id = :b"), {"b": batch_id})
+        statuses = dict(found.all())
+    assert statuses == {**{i: "cancelled" for i in ids[:-1]}, last: "succeeded"}
+
+
+@pytest.mark.parametrize("end", ["cancelling", "expired"])
+def test_lines_a_dead_api_left_unended_are_ended_by_the_lifecycle(
+    client: FlaskClient, services: Services, tenant: tuple[str, str], end: str
+) -> None:
+    """The API marks the batch, then ends its lines: died in between, the batch would
+    otherwise run on, its lines to the end, under a cancel that was acknowledged."""
+    _, key = tenant
+    f = upload(client, key, jsonl([line(i) for i in range(3)])).get_json()
+    batch_id = create(client, key, f["id"]).get_json()["id"]
+    running_lines(services, batch_id)
+    mark = (
+        "status = 'cancelling', cancelling_at = now() - interval '1 minute'"
+        if end == "cancelling"
+        else "expires_at = now() - interval '2 minutes', expired_at = now() - interval '1 minute'"
+    )
+    with services.db.session() as s:
+        s.execute(text(f"UPDATE batches SET {mark} WHERE id = :b"), {"b": batch_id})
+    life = lifecycle(services)
+    assert life.end_left_lines() >= 1
+    with services.db.session() as s:
+        statuses = set(s.scalars(text("SELECT status FROM jobs WHERE batch_id = :b"), {"b": batch_id}))
+    assert statuses == {"cancelled" if end == "cancelling" else "expired"}
+    life.finalize_done()
+    final = client.get(f"/v1/batches/{batch_id}", headers=auth(key)).get_json()
+    assert final["status"] == ("cancelled" if end == "cancelling" else "expired")
