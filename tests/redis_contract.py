@@ -93,6 +93,27 @@ def test_lease_lock_expires_by_itself(r: Redis[bytes]) -> None:
         assert 0 < r.pttl("llmq:leader:feeder") <= 5000
 
 
+def test_lease_lock_is_taken_over_from_a_holder_known_dead(r: Redis[bytes]) -> None:
+    """A worker killed in the middle of a round keeps the lock until its lease ends (20 s
+    by default) unless the others may take it over once its presence lapsed."""
+    key = "llmq:leader:takeover"
+    gone: set[str] = set()
+    lock = LeaseLock(r, "takeover", "w2", lease_seconds=20, holder_gone=lambda holder: holder in gone)
+    r.set(key, "w1", px=20_000)  # w1 took it, then was killed
+    gone.add("w1")
+    with lock.hold() as mine:
+        assert not mine  # held for less than a round may take: not looked at
+    r.pexpire(key, 20_000 - 1_500)  # held 1.5 s
+    gone.clear()
+    with lock.hold() as mine:
+        assert not mine  # a live holder keeps it
+    gone.add("w1")
+    with lock.hold() as mine:
+        assert mine and r.get(key) == b"w2"
+        assert 19_000 < r.pttl(key) <= 20_000
+    assert r.get(key) is None  # released as any hold is
+
+
 # --- idempotency locks --------------------------------------------------------------------
 
 

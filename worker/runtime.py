@@ -179,12 +179,12 @@ class WorkerRuntime:
             max_attempts=settings.max_attempts,
             grace_seconds=settings.requeue_grace_seconds,
             interval_seconds=settings.sweeper_interval_seconds,
-            lock=LeaseLock(self.redis, "sweeper", self.name, lease_seconds=LEADER_LEASE_SECONDS),
+            lock=self._leader_lock("sweeper"),
             absent=self._absent,
             presence_check_seconds=settings.worker_presence_ttl_seconds / 5,
         )
         self.batches = BatchScheduler(
-            LeaseLock(self.redis, "batches", self.name, lease_seconds=LEADER_LEASE_SECONDS),
+            self._leader_lock("batches"),
             BatchLifecycle(
                 self.db,
                 self.queue,
@@ -199,7 +199,7 @@ class WorkerRuntime:
             redis=self.redis,
         )
         self.expiry = ExpiryTask(
-            LeaseLock(self.redis, "expiry", self.name, lease_seconds=LEADER_LEASE_SECONDS),
+            self._leader_lock("expiry"),
             FileExpiry(self.db, chunk=settings.expiry_chunk_rows),
             interval_seconds=settings.expiry_interval_seconds,
         )
@@ -247,6 +247,16 @@ class WorkerRuntime:
             wake_feeder(self.redis)
         except RedisError as exc:  # the feeder's tick comes anyway
             log.debug("feeder wake-up not sent", extra={"error": type(exc).__name__})
+
+    def _leader_lock(self, name: str) -> LeaseLock:
+        """Taken over from a holder whose presence lapsed, not only when its lease ends."""
+        return LeaseLock(
+            self.redis,
+            name,
+            self.name,
+            lease_seconds=LEADER_LEASE_SECONDS,
+            holder_gone=lambda holder: bool(self._absent([holder])),
+        )
 
     def _absent(self, owners: list[str]) -> set[str]:
         """Lease owners that are gone; never this worker, which is alive by definition."""

@@ -249,7 +249,10 @@ def test_r13_kill_9_of_a_worker_takes_its_engine_processes_with_it(
 
 def test_r14_a_killed_workers_jobs_run_again_within_10_s(fault_stack: FaultStack) -> None:
     """Not after their leases (30 s here, as by default): as soon as the worker's presence
-    lapses, the other worker's sweeper hands its running jobs on (default intervals)."""
+    lapses, the other worker's sweeper hands its running jobs on (default intervals). The
+    dead worker dies holding the feeder's and the sweeper's locks, as it does when killed in
+    the middle of their rounds (CI once saw that: the lines, released, waited for the
+    feeder's 20 s lock); the other worker takes them over."""
     defaults = {
         "LLMQ_LEASE_SECONDS": "30",
         "LLMQ_SWEEPER_INTERVAL_SECONDS": "5",
@@ -276,6 +279,9 @@ def test_r14_a_killed_workers_jobs_run_again_within_10_s(fault_stack: FaultStack
         time.sleep(0.1)
     doomed.kill(signal.SIGKILL)
     killed = time.monotonic()
+    owner = next(iter(taken.values()))[1]
+    for lock in ("batches", "sweeper"):
+        fault_stack.services.redis.set(f"llmq:leader:{lock}", str(owner), px=20_000)
     while True:
         now = lines("TRUE")
         moved = {j for j in taken if now[j][0] != "queued" and not (now[j][1] or "").startswith(doomed_name)}
