@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import func, select, text, update
+from sqlalchemy import select, text
 
 from app.db import Database
 from app.domain.status import JobStatus
@@ -138,6 +138,20 @@ _FINISH_UPDATE = """
 _FINISH = text(_FINISH_UPDATE + FINISH_EVENTS + "SELECT id FROM done")  # noqa: S608 - constants
 
 
+_EXTEND = text(
+    """
+    WITH free AS (
+      SELECT id FROM jobs WHERE lease_owner = :owner AND status = 'running' FOR UPDATE SKIP LOCKED)
+    UPDATE jobs SET lease_expires_at = now() + make_interval(secs => :lease)
+    FROM free WHERE jobs.id = free.id
+    """
+)
+_OWNED = text(
+    "SELECT id, epoch, cancel_requested_at IS NOT NULL AS cancelled FROM jobs "
+    "WHERE lease_owner = :owner AND status = 'running'"
+)
+
+
 def _doc(value: Any) -> str | None:
     return None if value is None else json.dumps(value, separators=(",", ":"))
 
@@ -202,15 +216,15 @@ class JobStore:
             return {row.id for row in s.execute(_FINISH, params)}
 
     def extend_leases(self, owner: str, lease_seconds: float) -> dict[str, tuple[int, bool]]:
-        """Extend every lease `owner` holds; returns {job_id: (epoch, cancel_requested)}."""
-        stmt = (
-            update(Job)
-            .where(Job.lease_owner == owner, Job.status == _RUNNING)
-            .values(lease_expires_at=func.now() + func.make_interval(0, 0, 0, 0, 0, 0, lease_seconds))
-            .returning(Job.id, Job.epoch, Job.cancel_requested_at)
-        )
+        """Extend every lease `owner` holds; returns {job_id: (epoch, cancel_requested)}.
+        A row another statement is writing at this moment (its result being saved, a
+        cancel) is skipped, its lease extended on the next round: waiting for it while
+        holding the others could deadlock with that statement. It is still reported, as
+        last committed."""
+        params = {"owner": owner, "lease": lease_seconds}
         with self._db.session() as s:
-            return {r.id: (r.epoch, r.cancel_requested_at is not None) for r in s.execute(stmt)}
+            s.execute(_EXTEND, params)
+            return {r.id: (r.epoch, r.cancelled) for r in s.execute(_OWNED, params)}
 
     def status(self, job_id: str) -> str | None:
         with self._db.session() as s:

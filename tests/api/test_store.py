@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+
+import psycopg
 from sqlalchemy import text
 
 from tests.helpers import queued, response
@@ -55,3 +58,27 @@ def test_hand_back_requeues_without_a_message(services) -> None:
     assert (
         row.status == "queued" and row.enqueued_at is None and row.lease_owner is None and row.attempts == 1
     )
+
+
+def test_lease_renewal_passes_over_a_row_being_written_and_still_reports_it(services, stores) -> None:
+    """Waiting for a row another statement holds, while holding the rest, could deadlock
+    with it (a result being saved locks its rows in an order of its own)."""
+    store = JobStore(services.db)
+    ids = sorted(queued(services, 3))
+    owner = f"w-{ids[0]}"
+    claims = store.claim_many(ids, owner, 30, 3)
+    with psycopg.connect(stores.database_url) as other:
+        other.execute("SELECT 1 FROM jobs WHERE id = %s FOR UPDATE", (ids[1],))
+        started = time.monotonic()
+        owned = store.extend_leases(owner, 600)
+        assert time.monotonic() - started < 1  # did not wait for the lock
+        other.rollback()
+    assert owned == {c.job_id: (c.epoch, False) for c in claims}
+    with services.db.session() as s:
+        left = dict(
+            s.execute(
+                text("SELECT id, lease_expires_at > now() + interval '5 min' FROM jobs WHERE id = ANY(:i)"),
+                {"i": ids},
+            ).all()
+        )
+    assert left == {ids[0]: True, ids[1]: False, ids[2]: True}
