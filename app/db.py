@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import sqlalchemy
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.connections import PoolSize
@@ -55,16 +56,20 @@ def create_db_engine(
 class Database:
     """Owns the engine and hands out sessions that commit once at the end of a scope."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, *, later_page_slots: int = 1) -> None:
+        """`later_page_slots`: how many connections downloads' later pages may hold at once
+        (`page`)."""
         self.engine = engine
         self._sessions = sessionmaker(engine, expire_on_commit=False)
+        self._later_pages = threading.BoundedSemaphore(later_page_slots)
 
     @classmethod
     def from_url(
         cls, url: str, pool: PoolSize, *, pool_timeout: float = 30.0, transaction_pooler: bool = False
     ) -> Database:
         return cls(
-            create_db_engine(url, pool, pool_timeout=pool_timeout, transaction_pooler=transaction_pooler)
+            create_db_engine(url, pool, pool_timeout=pool_timeout, transaction_pooler=transaction_pooler),
+            later_page_slots=max(1, pool.total // 2),
         )
 
     @classmethod
@@ -82,6 +87,20 @@ class Database:
         """A transaction: commits when the block ends, rolls back when it raises."""
         with self._sessions() as session, session.begin():
             yield session
+
+    @contextmanager
+    def page(self, *, first: bool) -> Iterator[Connection]:
+        """A connection for one page of a download (its own short query). Pages after the
+        first share at most half of the pool, waiting their turn: dozens of downloads keep
+        streaming, and the other half stays free for requests, other tenants' calls and new
+        downloads' first pages among them, which must find a connection within the pool
+        timeout or answer 503 (CI saw 503s when later pages took the whole pool)."""
+        if first:
+            with self.engine.connect() as conn:
+                yield conn
+            return
+        with self._later_pages, self.engine.connect() as conn:
+            yield conn
 
     def dispose(self) -> None:
         self.engine.dispose()

@@ -49,7 +49,7 @@ def line_rows(
             .order_by(Job.line_no)
             .limit(page)
         )
-        with db.engine.connect() as conn:
+        with db.page(first=after == -1) as conn:
             rows = conn.execute(q).all()
         yield from rows
         if len(rows) < page:

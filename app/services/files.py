@@ -426,7 +426,7 @@ class FileService:
         after = 0
         while True:
             in_order = (FileLine.file_id == file_id, FileLine.line_no > after)
-            with self._db.engine.connect() as conn:
+            with self._db.page(first=after == 0) as conn:
                 # Sizes first: octet_length reads the stored length, not the (TOASTed) text.
                 sizes = conn.execute(
                     select(FileLine.line_no, func.octet_length(FileLine.raw))

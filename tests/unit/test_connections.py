@@ -4,6 +4,9 @@ README documents fits the `max_connections` it suggests."""
 from __future__ import annotations
 
 import re
+import threading
+import time
+from pathlib import Path
 
 from app.connections import (
     ADMIN_CONNECTIONS,
@@ -12,11 +15,12 @@ from app.connections import (
     SUGGESTED_MAX_CONNECTIONS,
     WEBHOOK_POOL,
     Fleet,
+    PoolSize,
     api_pool,
     worker_connections,
     worker_pool,
 )
-from app.db import create_db_engine
+from app.db import Database, create_db_engine
 from app.settings import Settings
 from tests.helpers import ROOT
 
@@ -71,3 +75,35 @@ def test_the_readme_states_the_computed_figures() -> None:
         DOCUMENTED_FLEET.connections(s),
         SUGGESTED_MAX_CONNECTIONS,
     } <= figures, figures
+
+
+def test_downloads_later_pages_share_half_the_pool_and_first_pages_never_wait_for_them(
+    tmp_path: Path,
+) -> None:
+    """Dozens of slow downloads would otherwise hold every connection with their later
+    pages, and a new download's first page (or another tenant's call) would 503."""
+    db = Database.from_url(f"sqlite:///{tmp_path / 'pages.db'}", PoolSize(pool=4, overflow=0))
+    order: list[str] = []
+    release = threading.Event()
+
+    def later_page(name: str) -> None:
+        with db.page(first=False):
+            order.append(name)
+            release.wait(5)
+
+    first_two = [threading.Thread(target=later_page, args=(f"later-{i}",)) for i in range(2)]
+    for t in first_two:
+        t.start()
+    while len(order) < 2:
+        time.sleep(0.01)
+    third = threading.Thread(target=later_page, args=("later-2",))
+    third.start()
+    time.sleep(0.2)
+    assert sorted(order) == ["later-0", "later-1"]  # the third waits for a slot
+    with db.page(first=True) as conn:  # a first page goes straight to the pool
+        assert conn.exec_driver_sql("SELECT 1").scalar() == 1
+    release.set()
+    for t in [*first_two, third]:
+        t.join(5)
+    assert sorted(order) == ["later-0", "later-1", "later-2"]
+    db.dispose()
