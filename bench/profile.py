@@ -1,9 +1,12 @@
 """Where the CPU goes: py-spy samples the API's gunicorn workers and the Celery worker (not
 vLLM's engine core) while a load runs, and prints the top frames by own time and, among
-llmq's code, by inclusive time. `python -m bench.profile submit|batch|upload [--seconds 15]`
+llmq's code, by inclusive time.
+`python -m bench.profile submit|batch|upload|generate [--seconds 15]`
 
 submit: closed-loop POST /v2/jobs (B3's load); batch: a 50,000-line batch (B2's), sampled
-while it runs; upload: B4's 50,000-line file uploaded again and again.
+while it runs; upload: B4's 50,000-line file uploaded again and again; generate: B1's load
+(rounds of 64 jobs of 256 tokens) on the real engine with the tiny test model (`--model`),
+where the worker's own time per generated token shows.
 Collapsed stacks are written to bench/results/profile-<load>-<process>.txt (flamegraph.pl
 or speedscope read them). Needs py-spy (the dev extra) and the right to ptrace (root).
 """
@@ -21,8 +24,9 @@ from pathlib import Path
 import psutil
 
 from app.cli.client import LlmqClient
-from bench import b2_overhead, b4_ingest, load
-from bench.common import RESULTS, service
+from app.cli.stack import Stack
+from bench import b1_engine, b2_overhead, b4_ingest, load
+from bench.common import RESULTS, ROOT, service, submit_all, wait_done
 
 OURS = ("(app/", "(worker/", "(bench/")
 
@@ -76,10 +80,18 @@ def _upload_for(client: LlmqClient, path: Path, seconds: float) -> None:
         client.upload_batch_file(path)
 
 
+def _generate_for(stack: Stack, served: str, seconds: float) -> None:
+    """Rounds of B1's 64 jobs of 256 tokens until `seconds` have passed."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        wait_done(stack, submit_all(stack, b1_engine.bodies(64, 256, served)))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("load", choices=("submit", "batch", "upload"))
+    p.add_argument("load", choices=("submit", "batch", "upload", "generate"))
     p.add_argument("--seconds", type=float, default=15)
+    p.add_argument("--model", default=str(ROOT / ".test-models" / "tiny"), help="the model for `generate`")
     a = p.parse_args()
     env = {
         "LLMQ_ENGINE": "instant",
@@ -90,8 +102,11 @@ def main() -> None:
         "LLMQ_BATCH_DISPATCH_WINDOW": "2048",
         "LLMQ_BATCH_CHUNK_SIZE": "128",
     }
+    model, served = "instant", b2_overhead.SERVED
+    if a.load == "generate":  # B1's settings: the defaults, on the real engine
+        env, model, served = {}, a.model, "bench-b1"
     RESULTS.mkdir(parents=True, exist_ok=True)
-    with service("instant", b2_overhead.SERVED, **env) as stack:
+    with service(model, served, **env) as stack:
         targets = {f"api{i}": c.pid for i, c in enumerate(psutil.Process(stack.procs["api"].pid).children())}
         targets["worker"] = stack.procs["worker"].pid
         outs = {name: RESULTS / f"profile-{a.load}-{name}.txt" for name in targets}
@@ -111,6 +126,9 @@ def main() -> None:
             b4_ingest.write_file(path, 50_000, 120, model=b2_overhead.SERVED)
             client = LlmqClient(stack.base_url, stack.api_key, timeout=600)
             work = threading.Thread(target=_upload_for, args=(client, path, a.seconds + 2))
+        elif a.load == "generate":
+            wait_done(stack, submit_all(stack, b1_engine.bodies(8, 1, served)))  # warm-up
+            work = threading.Thread(target=_generate_for, args=(stack, served, a.seconds + 2))
         else:
             # Sampling starts once the batch runs (its upload and creation are B4's).
             path = Path(tempfile.mkdtemp()) / "profile.jsonl"
