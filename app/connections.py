@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from redis import Redis
+
 from app.settings import Settings
 
 # `llmq migrate`, a CLI call, an operator's psql and a monitoring check, at once.
@@ -89,3 +91,8 @@ class Fleet:
 DOCUMENTED_FLEET = Fleet(api_replicas=2, workers=8)
 SUGGESTED_MAX_CONNECTIONS = 200
 POSTGRES_RESERVED_CONNECTIONS = 3
+
+
+def redis_client(url: str) -> Redis[bytes]:
+    """A process's Redis client: bounded connect and read waits, idle connections checked."""
+    return Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5, health_check_interval=30)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from redis import Redis
 
-from app.connections import api_pool
+from app.connections import api_pool, redis_client
 from app.db import Database
 from app.events import JobEvents
 from app.liveness import Liveness
@@ -32,7 +32,7 @@ from app.services.metrics import ClusterLease, MetricsService
 from app.services.models import ModelRegistry, declared_models
 from app.services.notifier import Notifier
 from app.services.object_inputs import ObjectInputs
-from app.services.object_store import BucketAccess, ObjectStore, default_client
+from app.services.object_store import store_from_settings
 from app.services.results import ResultsService
 from app.services.sandbox import ConstraintSandbox
 from app.services.scale_batches import ScaleBatchService
@@ -95,10 +95,6 @@ class Services:
             self.tokenizers.close()
 
 
-def redis_client(url: str) -> Redis[bytes]:
-    return Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5, health_check_interval=30)
-
-
 def replica_id(settings: Settings) -> str:
     """This API replica's name in the cluster-figures lease: the same for all its gunicorn
     processes (they share a PROMETHEUS_MULTIPROC_DIR), different from any other replica's."""
@@ -114,14 +110,6 @@ def template_sandbox(settings: Settings, model: str, *, wait_seconds: float | No
         max_output=settings.max_body_bytes * 4,
         processes=settings.template_sandbox_processes,
         wait_seconds=wait_seconds,
-    )
-
-
-def object_store(settings: Settings, client: Callable[[], Any] | None = None) -> ObjectStore:
-    """The one S3-compatible store (boto3's own configuration unless `client` builds one),
-    with the buckets each tenant may use."""
-    return ObjectStore(
-        BucketAccess.parse(settings.s3_buckets), client or default_client, part_bytes=settings.s3_part_bytes
     )
 
 
@@ -175,7 +163,7 @@ def build_services(settings: Settings, *, s3_client: Callable[[], Any] | None = 
         key_check_seconds=settings.stream_key_check_seconds,
     )
     files = FileService(db, policy, settings, completion_policy=completion_policy)
-    store = object_store(settings, s3_client)
+    store = store_from_settings(settings, s3_client)
     batches = BatchService(
         db,
         events,

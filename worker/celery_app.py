@@ -58,6 +58,9 @@ def _connect_signals(app: Celery, settings: Settings) -> None:
         rt.start()
         runtime.set_current(rt)
 
+    def on_ready(**_: Any) -> None:
+        runtime.current().consumer_ready()
+
     def on_shutting_down(**_: Any) -> None:
         rt = runtime.current()
         log.info("shutting down: draining", extra={"grace_seconds": settings.shutdown_grace_seconds})
@@ -78,5 +81,6 @@ def _connect_signals(app: Celery, settings: Settings) -> None:
 
     signals.setup_logging.connect(on_setup_logging, weak=False)
     signals.worker_init.connect(on_init, weak=False)
+    signals.worker_ready.connect(on_ready, weak=False)
     signals.worker_shutting_down.connect(on_shutting_down, weak=False)
     signals.worker_shutdown.connect(on_shutdown, weak=False)

@@ -24,8 +24,8 @@ log = logging.getLogger("llmq.control")
 class _Periodic:
     """`tick` every `interval` seconds, the first round at once, until stopped."""
 
-    def __init__(self, name: str, interval: float) -> None:
-        self._periodic = Periodic(name, interval, self.tick, log=log, at_start=True)
+    def __init__(self, name: str, interval: float, *, at_start: bool = True) -> None:
+        self._periodic = Periodic(name, interval, self.tick, log=log, at_start=at_start)
 
     def tick(self) -> None:
         raise NotImplementedError
@@ -109,7 +109,12 @@ class CancelListener:
 
 class RegistryHeartbeat(_Periodic):
     """Publishes this worker in the registry only while its consumer answers a ping that
-    travels through the broker and its engine is alive (a live process is not enough)."""
+    travels through the broker and its engine is alive (a live process is not enough).
+
+    The first round comes when the consumer is ready (`kick`, from Celery's worker_ready),
+    not when the heartbeat starts: before, the ping cannot be answered, and a new worker
+    would stay out of the registry (so out of the feeder's window) for a whole interval.
+    Rounds never overlap, so a late answer cannot undo a newer one."""
 
     def __init__(
         self,
@@ -119,14 +124,29 @@ class RegistryHeartbeat(_Periodic):
         consuming: Callable[[], bool],
         interval: float,
     ) -> None:
-        super().__init__("llmq-heartbeat", interval)
+        super().__init__("llmq-heartbeat", interval, at_start=False)
         self._redis = redis
         self._name = name
         self._info = info
         self._consuming = consuming
         self._ttl = max(3, int(interval * 3))
+        self._round = threading.Lock()
+
+    def kick(self) -> None:
+        """A round now, on a thread of its own (the ping's answer needs the caller's loop)."""
+        threading.Thread(target=self._guarded_tick, name="llmq-heartbeat-now", daemon=True).start()
+
+    def _guarded_tick(self) -> None:
+        try:
+            self.tick()
+        except Exception as exc:  # noqa: BLE001 - the periodic rounds go on
+            log.warning("heartbeat failed", extra={"error": f"{type(exc).__name__}: {exc}"})
 
     def tick(self) -> None:
+        with self._round:
+            self._publish()
+
+    def _publish(self) -> None:
         info = self._info()
         started = time.monotonic()
         info["consuming"] = bool(info.get("engine") == "ok" and self._consuming())

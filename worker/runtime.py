@@ -15,8 +15,7 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from app.connections import WEBHOOK_POOL, worker_pool
-from app.container import object_store, redis_client
+from app.connections import WEBHOOK_POOL, redis_client, worker_pool
 from app.db import Database
 from app.domain.prompts import ChatRenderer
 from app.events import JobEvents
@@ -29,6 +28,7 @@ from app.services.batch_lifecycle import BatchLifecycle
 from app.services.expiry import FileExpiry
 from app.services.health import absent_workers, live_capacities
 from app.services.model_files import local_folder, read_config, vocab_size
+from app.services.object_store import store_from_settings
 from app.services.sandbox import ConstraintSandbox
 from app.services.webhook_delivery import DeliveryConfig, WebhookDeliverer
 from app.settings import Settings
@@ -228,7 +228,7 @@ class WorkerRuntime:
         # upload holds back neither the batch scheduler nor a job. A worker with no buckets
         # configured exports nothing (and so never builds a client for a store it was not
         # given); one that has them takes the exports.
-        exports = BatchExports(self.db, object_store(settings))
+        exports = BatchExports(self.db, store_from_settings(settings))
         self.exports = Periodic(
             "llmq-exports",
             settings.s3_export_poll_seconds,
@@ -317,6 +317,11 @@ class WorkerRuntime:
         for part in parts:
             part.start()
         threading.Thread(target=self._watch_engine, name="llmq-engine-watch", daemon=True).start()
+
+    def consumer_ready(self) -> None:
+        """Celery's consumer takes messages now: into the registry at once, not at the
+        heartbeat's next round (the feeder sizes its window by the registry)."""
+        self.heartbeat.kick()
 
     def _watch_engine(self) -> None:
         """An engine that died takes the worker down, so a supervisor restarts it and its

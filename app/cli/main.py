@@ -162,7 +162,7 @@ def cmd_worker_health(_args: argparse.Namespace) -> int:
     from redis.exceptions import RedisError
 
     from app.cli.worker_health import Verdict, check
-    from app.container import redis_client
+    from app.connections import redis_client
 
     redis = redis_client(Settings().require_redis_url())
     try:

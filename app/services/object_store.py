@@ -19,9 +19,12 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from app.errors import Forbidden, InvalidRequest, LlmqError, ServiceUnavailable
+
+if TYPE_CHECKING:
+    from app.settings import Settings
 
 log = logging.getLogger("llmq.objects")
 
@@ -315,3 +318,11 @@ def store_error(exc: Exception, path: ObjectPath, param: str) -> LlmqError:
             f"{param} {path}: the object store could not be reached ({exc})", param=param
         )
     return ServiceUnavailable(f"{param} {path}: {type(exc).__name__}", param=param)
+
+
+def store_from_settings(settings: Settings, client: Callable[[], Any] | None = None) -> ObjectStore:
+    """The one S3-compatible store (boto3's own configuration unless `client` builds one),
+    with the buckets each tenant may use."""
+    return ObjectStore(
+        BucketAccess.parse(settings.s3_buckets), client or default_client, part_bytes=settings.s3_part_bytes
+    )

@@ -502,7 +502,7 @@ def test_concurrent_creates_never_overspend_the_budget(stores: Stores) -> None:
 def test_the_workers_expiry_task_acts_only_while_it_holds_the_lock(
     client: FlaskClient, services: Services, tenant
 ) -> None:
-    from app.container import redis_client
+    from app.connections import redis_client
     from worker.expiry import ExpiryTask
     from worker.leader import LeaseLock
 

@@ -6,14 +6,16 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import fakeredis
 import pytest
 from redis import Redis
 
 from app.cli.worker_health import check, worker_names
-from app.services.health import register_worker
+from app.services.health import live_workers, register_worker
 from tests.helpers import ROOT
+from worker.control import RegistryHeartbeat
 
 
 @pytest.fixture
@@ -96,3 +98,33 @@ def test_plain_llmq_worker_still_runs_the_worker() -> None:
     assert args.func is cmd_worker
     assert args.worker_command is None
     assert build_parser().parse_args(["worker", "health"]).worker_command == "health"
+
+
+def test_the_heartbeat_registers_a_worker_when_its_consumer_is_ready_not_an_interval_later(
+    redis: Redis[bytes],
+) -> None:
+    """Before Celery's consumer runs, its ping cannot be answered; a first round then would
+    leave a new worker out of the registry (so out of the feeder's window) for a whole
+    interval. Rounds never overlap: a slow, failed ping cannot undo a later success."""
+    answers = iter([(0.3, False), (0.0, True)])
+
+    def consuming() -> bool:
+        pause, answer = next(answers)
+        time.sleep(pause)
+        return answer
+
+    info = {"name": "w1", "model": "m", "engine": "ok", "inflight": 0, "capacity": 8}
+    beat = RegistryHeartbeat(redis, "w1", lambda: dict(info), consuming, interval=60)
+    beat.start()
+    time.sleep(0.2)
+    assert live_workers(redis) == []  # no round at start: the consumer is not up yet
+    beat.kick()  # a round that started too early, its ping failing slowly
+    time.sleep(0.05)
+    beat.kick()  # worker_ready
+    deadline = time.monotonic() + 5
+    while not live_workers(redis):
+        assert time.monotonic() < deadline, "not registered once the consumer was ready"
+        time.sleep(0.02)
+    time.sleep(0.5)
+    assert [w["name"] for w in live_workers(redis)] == ["w1"]
+    beat.stop()
