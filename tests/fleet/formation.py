@@ -34,6 +34,7 @@ import redis
 
 from app.cli.embedded import free_port
 from app.services.health import live_workers
+from app.settings import Settings
 from tests.helpers import ROOT, Stores, auth, fresh_database, stack_env
 
 MODEL_A = "fleet-a"  # the Procfile's own `worker` type: two processes
@@ -148,6 +149,9 @@ class Formation:
         while time.monotonic() < deadline:
             assert self.honcho.poll() is None, f"honcho exited: {self.log()[-4000:]}"
             if self._webs_answer() and self.pool_sizes() == {MODEL_A: 2, MODEL_B: 1}:
+                # Each API process reuses its read of the registry for up to its TTL (1 s):
+                # one read just before the last worker joined may still stand.
+                time.sleep(Settings().model_registry_ttl_seconds + 0.2)
                 return
             time.sleep(0.5)
         raise TimeoutError(f"formation not up in {timeout}s: {self.pool_sizes()} {self.log()[-4000:]}")
