@@ -13,10 +13,20 @@ import sys
 APP = "app.api:serve_app()"
 # gunicorn's own lines in llmq's log format (JSON with LLMQ_LOG_JSON).
 LOGGER_CLASS = "app.gunicorn_logging.Logger"
+# On SIGTERM, how long open requests (downloads, streams, waits) may finish: under the
+# kill window of the platforms that stop it (honcho 5 s, docker's default 10 s), so the API
+# exits by itself; a stream cut here resumes elsewhere with Last-Event-ID.
+GRACEFUL_SECONDS = 3
 
 
 def gunicorn_argv(
-    host: str, port: int, *, workers: int = 2, connections: int = 2000, app: str = APP
+    host: str,
+    port: int,
+    *,
+    workers: int = 2,
+    connections: int = 2000,
+    app: str = APP,
+    graceful_seconds: int = GRACEFUL_SECONDS,
 ) -> list[str]:
     """`app`: the WSGI app to serve (the benchmarks serve a hello-world app the same way)."""
     return [
@@ -32,7 +42,7 @@ def gunicorn_argv(
         "--bind",
         f"{host}:{port}",
         "--graceful-timeout",
-        "20",
+        str(graceful_seconds),
         "--timeout",
         "120",
         "--log-level",

@@ -401,6 +401,12 @@ class Settings(BaseSettings):
     api_workers: int = Field(
         default=2, ge=1, description="gunicorn worker processes per API (`llmq api`, `llmq up`)."
     )
+    api_graceful_seconds: int = Field(
+        default=3,
+        ge=1,
+        description="On SIGTERM, how long an API process lets open requests (downloads, streams, "
+        "waits) finish; keep it under the platform's kill window. A cut stream resumes with Last-Event-ID.",
+    )
     embedded_pg_port: int = Field(default=54329, description="First port tried for the embedded Postgres.")
     embedded_redis_port: int = Field(default=56379, description="First port tried for the embedded Redis.")
     embedded_pg_os_user: str = Field(

@@ -144,7 +144,13 @@ def cmd_api(args: argparse.Namespace) -> int:
 
     port = args.port or Settings().port
     workers = args.workers or Settings().api_workers
-    argv = gunicorn_argv(args.host, port, workers=workers, connections=args.connections)
+    argv = gunicorn_argv(
+        args.host,
+        port,
+        workers=workers,
+        connections=args.connections,
+        graceful_seconds=Settings().api_graceful_seconds,
+    )
     os.execv(sys.executable, argv)  # noqa: S606 - replaces this process with gunicorn
 
 

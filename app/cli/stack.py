@@ -202,7 +202,14 @@ class Stack:
 
     def start_api(self) -> None:
         self._start(
-            "api", gunicorn_argv(self.host, self.port, workers=self.settings.api_workers), signal.SIGINT
+            "api",
+            gunicorn_argv(
+                self.host,
+                self.port,
+                workers=self.settings.api_workers,
+                graceful_seconds=self.settings.api_graceful_seconds,
+            ),
+            signal.SIGINT,
         )
 
     def log_tail(self, name: str, lines: int = 20) -> str:
