@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import logging
 import os
 import sys
 
@@ -33,7 +36,27 @@ def main(argv: list[str] | None = None) -> None:
         "--without-mingle",
         *(argv if argv is not None else sys.argv[1:]),
     ]
-    app.worker_main(args)
+    try:
+        app.worker_main(args)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    else:
+        code = 0
+    leave(code)
+
+
+def leave(code: int) -> None:
+    """Exit once Celery has stopped (jobs drained or handed back, messages acknowledged,
+    connections closed): the exit handlers run (logs drained, spans flushed, temporary files
+    removed), the interpreter's own teardown does not. Freeing every module took 1.2 s on an
+    idle worker and 3-4 s under load, past a platform's kill window (honcho's is 5 s after
+    its SIGTERM), so a drained worker would be killed on its way out."""
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

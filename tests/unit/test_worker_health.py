@@ -128,3 +128,21 @@ def test_the_heartbeat_registers_a_worker_when_its_consumer_is_ready_not_an_inte
     time.sleep(0.5)
     assert [w["name"] for w in live_workers(redis)] == ["w1"]
     beat.stop()
+
+
+def test_a_stopped_worker_runs_its_exit_handlers_and_exits_with_celerys_code(tmp_path) -> None:
+    """`leave` skips the interpreter's teardown (seconds under load), not the exit handlers
+    (captured output drained, spans flushed, temporary files removed)."""
+    marker = tmp_path / "handler-ran"
+    code = (
+        "import atexit, pathlib, sys\n"
+        f"atexit.register(lambda: pathlib.Path({str(marker)!r}).write_text('yes'))\n"
+        "from worker.__main__ import leave\n"
+        "print('flushed', end='')\n"
+        "leave(3)\n"
+    )
+    argv = [sys.executable, "-c", code]
+    done = subprocess.run(argv, check=False, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 3, done.stderr
+    assert done.stdout == "flushed"
+    assert marker.read_text() == "yes"
