@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import sys
 
+from app.settings import Settings
+
 APP = "app.api:serve_app()"
 # gunicorn's own lines in llmq's log format (JSON with LLMQ_LOG_JSON).
 LOGGER_CLASS = "app.gunicorn_logging.Logger"
-# On SIGTERM, how long open requests (downloads, streams, waits) may finish: under the
-# kill window of the platforms that stop it (honcho 5 s, docker's default 10 s), so the API
-# exits by itself; a stream cut here resumes elsewhere with Last-Event-ID.
-GRACEFUL_SECONDS = 3
+# On SIGTERM, how long open requests may finish (LLMQ_API_GRACEFUL_SECONDS's default).
+GRACEFUL_SECONDS: int = Settings.model_fields["api_graceful_seconds"].default
 
 
 def gunicorn_argv(
