@@ -14,7 +14,9 @@ or speedscope read them). Needs py-spy (the dev extra) and the right to ptrace (
 from __future__ import annotations
 
 import argparse
+import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -31,9 +33,15 @@ from bench.common import RESULTS, ROOT, service, submit_all, wait_done
 OURS = ("(app/", "(worker/", "(bench/")
 
 
+def py_spy() -> str:
+    """The venv's py-spy (installed with the dev extra) when the venv is not on PATH."""
+    beside = Path(sys.executable).with_name("py-spy")
+    return str(beside) if beside.exists() else (shutil.which("py-spy") or "py-spy")
+
+
 def record(pid: int, seconds: float, out: Path) -> subprocess.Popen[bytes]:
     argv = [
-        "py-spy",
+        py_spy(),
         "record",
         "--gil",
         "--format",
