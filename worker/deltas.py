@@ -19,8 +19,10 @@ from worker.response import aborted_as, logprob_entry
 class EventSink(Protocol):
     """Where a job's events go, and how often its deltas are flushed."""
 
-    flush_tokens: int
-    flush_seconds: float
+    def cadence(self, job_id: str, age: float) -> tuple[int, float]:
+        """(tokens, seconds): flush once either has gathered, `age` seconds after the job's
+        first event."""
+        ...
 
     def submit(self, job_id: str, event: dict[str, Any], *, final: bool = False) -> None: ...
 
@@ -102,13 +104,11 @@ class JobStream:
         for delta in update.deltas:
             self._take(delta)
         now = time.monotonic()
-        finishing = any(d.finish_reason for d in update.deltas)
-        if (
-            finishing
-            or self.first_event_at is None  # the first token goes out at once: time to first chunk
-            or self._buffered_tokens >= self._publisher.flush_tokens
-            or now - self._last_flush >= self._publisher.flush_seconds
-        ):
+        if self.first_event_at is None or any(d.finish_reason for d in update.deltas):
+            self.flush()  # the first token goes out at once (time to first chunk), and the last
+            return
+        tokens, seconds = self._publisher.cadence(self.job_id, now - self.first_event_at)
+        if self._buffered_tokens >= tokens or now - self._last_flush >= seconds:
             self.flush()
 
     def _take(self, delta: ChoiceDelta) -> None:

@@ -6,6 +6,14 @@ Each job's events go to the Redis Stream `llmq:events:<job_id>` with explicit id
 announced on the pub/sub channel `llmq:job:<job_id>`. Deltas reach it coalesced (one event
 per `flush_tokens` tokens or `flush_seconds`), so Redis work grows with streams, not tokens.
 
+Most jobs have nobody watching (a batch line, a job that is polled): PUBLISH answers how
+many subscribers heard each announcement, and once a job has run `listen_grace_seconds`
+with nobody hearing its latest one, its deltas are coalesced per `quiet_flush_tokens` or
+`quiet_flush_seconds` instead, until somebody does. A subscriber who comes later reads the
+log so far at once and hears live events from the next flush on (at most
+`quiet_flush_seconds` later); one subscribed from the start (`stream: true`, or a stream
+opened right after submitting) never sees the quiet cadence.
+
 The worker keeps every event of a running job; if Redis restarts (and loses the stream),
 the publisher writes the whole history again once it reconnects.
 """
@@ -33,13 +41,14 @@ log = logging.getLogger("llmq.stream")
 
 # Append one event unless the stream should exist and does not (Redis restarted and lost
 # it): then answer 0 and append nothing, so no reader ever sees a log with a hole in it.
+# Otherwise answer 1 + the number of subscribers that heard the announcement.
 # KEYS: stream, channel. ARGV: id, payload, maxlen, must_exist, notification, expire.
 _APPEND = """
 if ARGV[4] == '1' and redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[3], ARGV[1], 'e', ARGV[2])
-redis.call('PUBLISH', KEYS[2], ARGV[5])
+local heard = redis.call('PUBLISH', KEYS[2], ARGV[5])
 if ARGV[6] ~= '0' then redis.call('EXPIRE', KEYS[1], ARGV[6]) end
-return 1
+return 1 + heard
 """
 
 
@@ -52,12 +61,21 @@ class StreamPublisher:
         *,
         flush_tokens: int = 8,
         flush_seconds: float = 0.04,
+        quiet_flush_tokens: int = 256,
+        quiet_flush_seconds: float = 0.5,
+        listen_grace_seconds: float = 1.0,
         max_len: int = 100_000,
         expire_seconds: int = 3600,
     ) -> None:
         self._redis = redis
         self.flush_tokens = flush_tokens
         self.flush_seconds = flush_seconds
+        self.quiet_flush_tokens = quiet_flush_tokens
+        self.quiet_flush_seconds = quiet_flush_seconds
+        self.listen_grace_seconds = listen_grace_seconds
+        # Jobs whose latest announcement nobody heard (written by the shipping thread, read
+        # on the engine's: a stale answer only delays one flush).
+        self._unheard: set[str] = set()
         self._max_len = max_len
         self._expire = expire_seconds
         self._queue: queue.SimpleQueue[tuple[str, dict[str, Any], bool] | None] = queue.SimpleQueue()
@@ -75,6 +93,13 @@ class StreamPublisher:
             self._queue.put((job_id, {"reset": True}, False))
         return JobStream(self, job_id, epoch, header, n=n)
 
+    def cadence(self, job_id: str, age: float) -> tuple[int, float]:
+        """(tokens, seconds) to coalesce a job's deltas over, `age` seconds after its first
+        event: quieter once past the grace with nobody hearing its latest announcement."""
+        if age >= self.listen_grace_seconds and job_id in self._unheard:
+            return self.quiet_flush_tokens, self.quiet_flush_seconds
+        return self.flush_tokens, self.flush_seconds
+
     def submit(self, job_id: str, event: dict[str, Any], *, final: bool = False) -> None:
         with self._lock:
             history = self._history.get(job_id)
@@ -86,6 +111,7 @@ class StreamPublisher:
         """Forget a job whose result was refused by the fence (another worker owns it)."""
         with self._lock:
             self._history.pop(job_id, None)
+        self._unheard.discard(job_id)
 
     def start(self) -> None:
         self._thread.start()
@@ -164,6 +190,10 @@ class StreamPublisher:
                 raise result
             elif result == 0:
                 lost.add(job_id)
+            elif final or result > 1:
+                self._unheard.discard(job_id)
+            else:
+                self._unheard.add(job_id)
         if lost:
             self._restore(lost)
         self.published += len(batch)

@@ -101,6 +101,9 @@ class FakeStreams:
     flush_tokens = 4
     flush_seconds = 10.0
 
+    def cadence(self, job_id: str, age: float) -> tuple[int, float]:
+        return self.flush_tokens, self.flush_seconds
+
     def __init__(self) -> None:
         self.shipped: dict[str, list[dict[str, Any]]] = {}
         self.discarded: list[str] = []

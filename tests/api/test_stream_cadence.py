@@ -1,0 +1,96 @@
+"""The worker's stream publisher against real Redis: a job nobody listens to is coalesced
+more coarsely once its grace has passed; a subscriber brings the live cadence back at the
+next announcement; the log itself is the same either way."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from app.events import job_channel, job_stream
+from tests.helpers import Stores
+from worker.streaming import StreamPublisher
+
+
+@pytest.fixture
+def publisher(stores: Stores) -> Iterator[StreamPublisher]:
+    pub = StreamPublisher(
+        redis.Redis.from_url(stores.redis_url),
+        flush_tokens=8,
+        flush_seconds=0.04,
+        quiet_flush_tokens=256,
+        quiet_flush_seconds=0.5,
+        listen_grace_seconds=1.0,
+    )
+    pub.start()
+    yield pub
+    pub.stop()
+
+
+def ship(pub: StreamPublisher, job_id: str, seq: int, *, final: bool = False) -> None:
+    before = pub.published
+    pub.submit(job_id, {"id": f"1-{seq}", "type": "chunk", "data": {"n": seq}}, final=final)
+    deadline = time.monotonic() + 5
+    while pub.published == before:
+        assert time.monotonic() < deadline, "event not shipped"
+        time.sleep(0.005)
+
+
+def heard(sub: redis.client.PubSub) -> bool:
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        if sub.get_message(timeout=0.1) is not None:  # the subscribe confirmation is skipped
+            return True
+    return False
+
+
+def test_unheard_job_is_quiet_after_its_grace_and_live_again_once_heard(
+    publisher: StreamPublisher, stores: Stores
+) -> None:
+    job_id = f"job_{secrets.token_hex(4)}"
+    publisher.open(job_id, 1, {"id": "chatcmpl-x", "created": 0, "model": "m"})  # type: ignore[arg-type]
+    ship(publisher, job_id, 1)
+    # Nobody heard it, but the grace has not passed: still the live cadence.
+    assert publisher.cadence(job_id, 0.5) == (8, 0.04)
+    assert publisher.cadence(job_id, 1.5) == (256, 0.5)
+
+    r = redis.Redis.from_url(stores.redis_url)
+    sub = r.pubsub(ignore_subscribe_messages=True)
+    sub.subscribe(job_channel(job_id))
+    try:
+        ship(publisher, job_id, 2)
+        assert heard(sub), "the announcement did not reach the subscriber"
+        assert publisher.cadence(job_id, 1.5) == (8, 0.04)
+    finally:
+        sub.close()
+    ship(publisher, job_id, 3)
+    assert publisher.cadence(job_id, 1.5) == (256, 0.5)  # the subscriber left
+    ship(publisher, job_id, 4, final=True)
+    assert publisher.cadence(job_id, 1.5) == (8, 0.04)  # forgotten once ended
+    assert [eid.decode() for eid, _ in r.xrange(job_stream(job_id))] == ["1-1", "1-2", "1-3", "1-4"]
+
+
+def test_a_job_stream_flushes_by_the_publishers_cadence(publisher: StreamPublisher) -> None:
+    """Fed one token at a time, past its grace with nobody listening, a job's chunks carry
+    many tokens each instead of one per flush interval."""
+    from worker.engine import ChoiceDelta, EngineUpdate
+
+    job_id = f"job_{secrets.token_hex(4)}"
+    stream = publisher.open(job_id, 1, {"id": "chatcmpl-x", "created": 0, "model": "m"})  # type: ignore[arg-type]
+    publisher.listen_grace_seconds = 0.0
+    ship_wait = time.monotonic() + 5
+    for i in range(200):
+        stream.add(EngineUpdate([ChoiceDelta(0, "t", [i])], 1, 0, False))
+        while stream.first_event_at is not None and publisher.published == 0:
+            assert time.monotonic() < ship_wait
+            time.sleep(0.005)
+        time.sleep(0.001)
+    stream.add(EngineUpdate([ChoiceDelta(0, "", [], finish_reason="length")], 1, 0, True))
+    chunks = [e for e in stream.events if e.get("type") == "chunk"]
+    assert "".join(e["data"]["choices"][0]["delta"].get("content", "") for e in chunks) == "t" * 200
+    # Live cadence (8 tokens or 40 ms) would be 25 chunks or more; quiet is a handful.
+    assert len(chunks) <= 5, len(chunks)
