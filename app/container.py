@@ -26,7 +26,7 @@ from app.services.files import FileService
 from app.services.health import HealthService, live_workers
 from app.services.idempotency import IdempotencyLocks
 from app.services.jobs import JobService
-from app.services.keys import KeyService
+from app.services.keys import KeyCache, KeyService
 from app.services.limits import RateLimiter
 from app.services.metrics import ClusterLease, MetricsService
 from app.services.models import ModelRegistry, declared_models
@@ -123,7 +123,11 @@ def build_services(settings: Settings, *, s3_client: Callable[[], Any] | None = 
     liveness = Liveness(redis, marker_ttl_seconds=settings.visibility_timeout_seconds, db=db)
     queue = JobQueue(create_producer(settings), liveness)
     events = JobEvents(redis)
-    keys = KeyService(db)
+    keys = KeyService(
+        db,
+        redis=redis,
+        cache=KeyCache(settings.auth_cache_seconds) if settings.auth_cache_seconds > 0 else None,
+    )
     # Nothing model-specific is loaded here: the served app warms its tokenizers in the
     # background, else one is read on the first request that needs it
     # (app/services/tokenizers.py).

@@ -201,6 +201,15 @@ class Settings(BaseSettings):
         description="Count prompt tokens in the API (400 before queuing) when the model is local.",
     )
 
+    auth_cache_seconds: float = Field(
+        default=10.0,
+        ge=0,
+        description=(
+            "How long an API process may reuse a key's lookup; revoking a key or changing a "
+            "tenant's priority band through llmq is seen at once; 0 looks every request up."
+        ),
+    )
+
     # Limits per API key.
     rate_limit_per_minute: int = Field(
         default=6000, ge=0, description="Requests per minute per key; 0 turns it off."

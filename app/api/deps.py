@@ -81,12 +81,11 @@ def authenticate() -> None:
     """
     s = services()
     try:
-        g.principal = s.keys.authenticate(api_key())
+        g.principal = s.keys.admit(api_key(), s.limiter)
     except Unauthorized:
         s.auth_failures.check(client_address())
         raise
     note_tenant(g.principal.tenant_id)
-    s.limiter.check(g.principal.key_id)
 
 
 def principal() -> Principal:

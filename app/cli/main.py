@@ -306,11 +306,15 @@ def cmd_webhooks_deliveries(args: argparse.Namespace) -> int:
 
 
 def _keys(args: argparse.Namespace) -> Any:
-    from app.connections import ADMIN_POOL
+    """Revoking a key or changing a band also tells the API's key caches, through Redis
+    when one is configured (app/services/keys.py)."""
+    from app.connections import ADMIN_POOL, redis_client
     from app.db import Database
     from app.services.keys import KeyService
 
-    return KeyService(Database.from_settings(_settings(args), ADMIN_POOL))
+    settings = _settings(args)
+    redis = redis_client(settings.redis_url) if settings.redis_url else None
+    return KeyService(Database.from_settings(settings, ADMIN_POOL), redis=redis)
 
 
 def cmd_keys_create(args: argparse.Namespace) -> int:
@@ -330,9 +334,21 @@ def cmd_keys_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _unannounced(args: argparse.Namespace) -> None:
+    """Without Redis the API's key caches are not told of a change: say when it takes effect."""
+    settings = _settings(args)
+    if not settings.redis_url and settings.auth_cache_seconds > 0:
+        print(
+            "note: LLMQ_REDIS_URL is not set, so the API's key caches were not told; "
+            f"API processes apply this within {settings.auth_cache_seconds:g} s (LLMQ_AUTH_CACHE_SECONDS)",
+            file=sys.stderr,
+        )
+
+
 def cmd_keys_revoke(args: argparse.Namespace) -> int:
     _keys(args).revoke(args.key_id)
     print(f"revoked {args.key_id}")
+    _unannounced(args)
     return 0
 
 
@@ -345,6 +361,7 @@ def cmd_tenants_set(args: argparse.Namespace) -> int:
         band = keys.priority_band(args.tenant)
     else:
         band = keys.set_priority_band(args.tenant, args.priority_min, args.priority_max)
+        _unannounced(args)
     if args.weight is not None:
         keys.set_share_weight(args.tenant, args.weight)
     asked = args.batch_token_budget

@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import secrets
+import threading
+import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import TYPE_CHECKING
 
+from redis import Redis
+from redis.exceptions import RedisError
 from sqlalchemy import select, text, update
 from sqlalchemy.dialects.postgresql import insert
 
@@ -17,12 +24,21 @@ from app.logs import remember_secret
 from app.models import ApiKey, Tenant
 from app.services.priority import PriorityBand
 
+if TYPE_CHECKING:
+    from app.services.limits import RateLimiter
+
+log = logging.getLogger("llmq.keys")
+
 # Every request runs this: a constant text statement costs SQLAlchemy no statement building
 # or cache-key walk (a `select()` built per call was about a tenth of a submit's CPU).
 _AUTHENTICATE = text(
     "SELECT k.id, k.tenant_id, t.priority_min, t.priority_max FROM api_keys k "
     "JOIN tenants t ON t.id = k.tenant_id WHERE k.key_hash = :key_hash AND k.revoked_at IS NULL"
 )
+
+# Bumped (INCR) whenever a key stops authenticating or a tenant's priority band changes:
+# every API process's cached lookups read under an older value are read again.
+AUTH_GENERATION = "llmq:auth:generation"
 
 KEY_PREFIX = "llmq-"
 # The largest fair-share weight an operator may give a tenant (the default is 1).
@@ -57,9 +73,57 @@ class KeyInfo:
     revoked_at: datetime | None
 
 
+@dataclass(frozen=True)
+class _Lookup:
+    principal: Principal
+    generation: int  # AUTH_GENERATION as read before the lookup
+    until: float  # monotonic
+
+
+class KeyCache:
+    """One API process's recent successful key lookups, by sha256 of the key. An entry
+    answers while Redis's AUTH_GENERATION still has the value read before its lookup, and
+    for `seconds` at most (a change made in Postgres by hand, or a bump lost while Redis
+    was down, is seen within that). Unknown and revoked keys are never kept."""
+
+    def __init__(self, seconds: float, size: int = 10_000) -> None:
+        self.seconds = seconds
+        self._size = size
+        self._entries: OrderedDict[str, _Lookup] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, digest: str) -> _Lookup | None:
+        with self._lock:
+            found = self._entries.get(digest)
+            if found is None:
+                return None
+            if found.until <= time.monotonic():
+                del self._entries[digest]
+                return None
+            self._entries.move_to_end(digest)
+            return found
+
+    def put(self, digest: str, principal: Principal, generation: int) -> None:
+        with self._lock:
+            self._entries[digest] = _Lookup(principal, generation, time.monotonic() + self.seconds)
+            self._entries.move_to_end(digest)
+            while len(self._entries) > self._size:
+                self._entries.popitem(last=False)
+
+    def drop(self, digest: str) -> None:
+        with self._lock:
+            self._entries.pop(digest, None)
+
+
 class KeyService:
-    def __init__(self, db: Database) -> None:
+    def __init__(
+        self, db: Database, *, redis: Redis[bytes] | None = None, cache: KeyCache | None = None
+    ) -> None:
+        """`redis`: where AUTH_GENERATION lives (revoking a key or changing a band bumps it);
+        `cache`: an API process's lookups (needs `redis`)."""
         self._db = db
+        self._redis = redis
+        self._cache = cache if redis is not None else None
 
     def ensure_tenant(self, name: str) -> str:
         """Create the tenant if missing; returns its id (the name is the id)."""
@@ -115,6 +179,52 @@ class KeyService:
             priority=PriorityBand(row.priority_min, row.priority_max),
         )
 
+    def admit(self, key: str | None, limiter: RateLimiter) -> Principal:
+        """`authenticate`, then one request taken from the key's rate (`limiter`). With a
+        cache, a key seen lately costs one Redis round trip for both: the rate script also
+        reads AUTH_GENERATION, and the cached answer stands while that is unchanged.
+
+        Raises:
+            Unauthorized: no key, unknown key or revoked key.
+            RateLimited: the key is over its rate.
+        """
+        if self._cache is None or not key:
+            found = self.authenticate(key)
+            limiter.check(found.key_id)
+            return found
+        digest = hash_key(key)
+        hit = self._cache.get(digest)
+        if hit is None:
+            found = self._look_up(key, digest)
+            limiter.check(found.key_id)
+            return found
+        if limiter.check_and_read(hit.principal.key_id, AUTH_GENERATION) == hit.generation:
+            return hit.principal
+        return self._look_up(key, digest)  # its request is counted already
+
+    def _look_up(self, key: str, digest: str) -> Principal:
+        assert self._cache is not None and self._redis is not None
+        generation = int(self._redis.get(AUTH_GENERATION) or 0)  # read before Postgres
+        try:
+            found = self.authenticate(key)
+        except Unauthorized:
+            self._cache.drop(digest)
+            raise
+        self._cache.put(digest, found, generation)
+        return found
+
+    def _changed(self, what: str) -> None:
+        """Tell every API process's key cache that a lookup may answer differently now."""
+        if self._redis is None:
+            return
+        try:
+            self._redis.incr(AUTH_GENERATION)
+        except RedisError as exc:
+            log.warning(
+                "could not tell the API's key caches; they see the change within their cache time",
+                extra={"change": what, "error": str(exc)},
+            )
+
     def set_priority_band(self, tenant: str, low: int | None = None, high: int | None = None) -> PriorityBand:
         """Set the band of `priority` values a tenant may ask for (either end, or both).
 
@@ -130,6 +240,7 @@ class KeyService:
                 row.priority_min if low is None else low, row.priority_max if high is None else high
             )
             row.priority_min, row.priority_max = band.low, band.high
+        self._changed("priority band")
         return band
 
     def priority_band(self, tenant: str) -> PriorityBand:
@@ -222,3 +333,4 @@ class KeyService:
             ).first()
         if done is None:
             raise NotFound(f"no active key {key_id!r}", param="key_id")
+        self._changed("key revoked")

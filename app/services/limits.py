@@ -26,6 +26,10 @@ redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'ts', tostring(now))
 redis.call('EXPIRE', KEYS[1], math.ceil(burst / rate) + 1)
 return tostring(wait)
 """
+# The same, and the value of KEYS[2] (a counter; 0 when missing) read in the same round trip.
+_TAKE_AND_READ = _TAKE.replace(
+    "return tostring(wait)", "return {tostring(wait), redis.call('GET', KEYS[2]) or '0'}"
+)
 
 
 class RateLimiter:
@@ -47,6 +51,7 @@ class RateLimiter:
         self._scope = scope
         self._subject_name = subject_name
         self._take = redis.register_script(_TAKE)
+        self._take_and_read = redis.register_script(_TAKE_AND_READ)
 
     @property
     def enabled(self) -> bool:
@@ -58,6 +63,20 @@ class RateLimiter:
         if not self.enabled:
             return
         wait = float(self._take(keys=[f"llmq:{self._scope}:{key_id}"], args=[self._rate, self._burst]))
+        self._refuse_past(wait)
+
+    def check_and_read(self, key_id: str, counter: str) -> int:
+        """`check`, and the Redis counter `counter` (0 when missing) read in the same round
+        trip (the API's key cache reads its generation so: app/services/keys.py)."""
+        if not self.enabled:
+            return int(self._redis.get(counter) or 0)
+        wait, value = self._take_and_read(
+            keys=[f"llmq:{self._scope}:{key_id}", counter], args=[self._rate, self._burst]
+        )
+        self._refuse_past(float(wait))
+        return int(value)
+
+    def _refuse_past(self, wait: float) -> None:
         if wait > 0:
             raise RateLimited(
                 f"rate limit of {self._rate * 60:g} {self._subject_name}; retry in {math.ceil(wait)} s",

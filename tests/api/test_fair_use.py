@@ -73,7 +73,9 @@ def test_operators_set_bands_with_the_cli(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     name, key = tenant
+    # The deployment's settings, Redis included: the API's key caches are told of each change.
     monkeypatch.setenv("LLMQ_DATABASE_URL", stores.database_url)
+    monkeypatch.setenv("LLMQ_REDIS_URL", stores.redis_url)
     assert cli(["tenants", "set", name, "--priority-min", "-10", "--priority-max", "20"]) == 0
     assert "-10..20" in capsys.readouterr().out
     r = client.post("/v2/jobs", json=body(priority=-10), headers=auth(key))

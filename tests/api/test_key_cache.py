@@ -1,0 +1,134 @@
+"""An API process's key cache against real Postgres and Redis: a key seen lately is
+answered without Postgres, revoking it or changing its tenant's band through llmq is seen
+by the next request, and a change made in Postgres by hand within the cache time."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from flask import Flask
+from flask.testing import FlaskClient
+from sqlalchemy import text
+
+from app.api import create_app
+from app.container import Services, build_services
+from app.services.keys import KeyCache, KeyService, Principal
+from tests.api.test_jobs_api import assert_error
+from tests.helpers import Stores, auth, make_settings
+
+
+@pytest.fixture(scope="module")
+def cached(stores: Stores) -> Iterator[Services]:
+    svc = build_services(make_settings(stores, auth_cache_seconds=1.0))
+    yield svc
+    svc.close()
+
+
+@pytest.fixture
+def client(cached: Services) -> FlaskClient:
+    app: Flask = create_app(services=cached)
+    return app.test_client()
+
+
+@pytest.fixture
+def lookups(cached: Services, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Each time a key is looked up in Postgres."""
+    seen: list[str] = []
+    original = KeyService.authenticate
+
+    def counting(self: KeyService, key: str | None) -> Principal:
+        seen.append(key or "")
+        return original(self, key)
+
+    monkeypatch.setattr(KeyService, "authenticate", counting)
+    return seen
+
+
+def new_key(services: Services) -> tuple[str, str]:
+    tenant = f"tenant-cache-{secrets.token_hex(3)}"
+    key = services.keys.create_key(tenant)
+    return tenant, key
+
+
+def test_a_key_seen_lately_is_not_looked_up_again(
+    client: FlaskClient, cached: Services, lookups: list[str]
+) -> None:
+    _, key = new_key(cached)
+    for _ in range(5):
+        assert client.get("/v2/jobs", headers=auth(key)).status_code == 200
+    assert lookups == [key]
+
+
+def test_revoking_through_llmq_is_seen_by_the_next_request(
+    client: FlaskClient, cached: Services, lookups: list[str]
+) -> None:
+    tenant, key = new_key(cached)
+    assert client.get("/v2/jobs", headers=auth(key)).status_code == 200
+    assert client.get("/v2/jobs", headers=auth(key)).status_code == 200
+    # Another process's KeyService (the CLI's): Postgres and the Redis generation only.
+    other = KeyService(cached.db, redis=cached.redis)
+    other.revoke(other.list_keys(tenant)[0].id)
+    assert_error(client.get("/v2/jobs", headers=auth(key)), 401)
+    assert_error(client.get("/v2/jobs", headers=auth(key)), 401)
+    assert lookups == [key, key, key]  # revoked keys are never kept
+
+
+def test_a_band_change_is_seen_by_the_next_request(client: FlaskClient, cached: Services) -> None:
+    tenant, key = new_key(cached)
+    body: dict[str, Any] = {
+        "model": "api-only",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 4,
+        "priority": 5,
+    }
+    assert client.post("/v2/jobs", json=body, headers=auth(key)).status_code == 202
+    KeyService(cached.db, redis=cached.redis).set_priority_band(tenant, 0, 3)
+    assert_error(client.post("/v2/jobs", json=body, headers=auth(key)), 400, param="priority")
+
+
+def test_a_change_made_by_hand_is_seen_within_the_cache_time(client: FlaskClient, cached: Services) -> None:
+    tenant, key = new_key(cached)
+    assert client.get("/v2/jobs", headers=auth(key)).status_code == 200
+    with cached.db.session() as s:  # no generation bump: only the cache time bounds it
+        s.execute(text("UPDATE api_keys SET revoked_at = now() WHERE tenant_id = :t"), {"t": tenant})
+    time.sleep(1.1)
+    assert_error(client.get("/v2/jobs", headers=auth(key)), 401)
+
+
+def test_cache_keeps_at_most_its_size_and_forgets_after_its_time() -> None:
+    cache = KeyCache(0.2, size=2)
+    for name in ("a", "b", "c"):
+        cache.put(name, Principal(tenant_id=name, key_id=name), 0)
+    assert cache.get("a") is None
+    assert cache.get("b") is not None and cache.get("c") is not None
+    time.sleep(0.25)
+    assert cache.get("b") is None
+
+
+def test_the_cli_revokes_through_redis_or_says_when_it_applies(
+    client: FlaskClient,
+    cached: Services,
+    stores: Stores,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from app.cli.main import main as cli
+
+    monkeypatch.setenv("LLMQ_DATABASE_URL", stores.database_url)
+    monkeypatch.delenv("LLMQ_REDIS_URL", raising=False)
+    tenant, key = new_key(cached)
+    assert client.get("/v2/jobs", headers=auth(key)).status_code == 200
+    assert cli(["keys", "revoke", cached.keys.list_keys(tenant)[0].id]) == 0
+    assert "LLMQ_REDIS_URL is not set" in capsys.readouterr().err
+    assert client.get("/v2/jobs", headers=auth(key)).status_code == 200  # nobody told this process
+
+    monkeypatch.setenv("LLMQ_REDIS_URL", stores.redis_url)
+    tenant, key = new_key(cached)
+    assert client.get("/v2/jobs", headers=auth(key)).status_code == 200
+    assert cli(["keys", "revoke", cached.keys.list_keys(tenant)[0].id]) == 0
+    assert "LLMQ_REDIS_URL is not set" not in capsys.readouterr().err
+    assert_error(client.get("/v2/jobs", headers=auth(key)), 401)
