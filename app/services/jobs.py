@@ -29,7 +29,7 @@ from app.services.metadata import has_metadata
 from app.services.ownership import load_owned
 from app.services.pagination import check_limit, newest_first, page_fields
 from app.services.parsing import parse_model
-from app.services.quotas import check_single_jobs
+from app.services.quotas import insert_single_job
 from app.services.webhook_outbox import record_jobs
 
 # The jobs table's insert, and each attribute's column name (`metadata_` is `metadata`).
@@ -176,13 +176,14 @@ class JobService:
             "request_hash": idem.fingerprint if idem else None,
             "request_id": current_request_id(),
         }
-        with self._db.session() as s:
-            # Counted and inserted in one transaction under the tenant's lock: concurrent
-            # submits cannot all see the last free place.
-            check_single_jobs(s, principal.tenant_id, self._max_active)
-            # One Core statement built once, its values as parameters: the ORM unit of work
-            # (about a millisecond per job) and a statement built per call are both skipped.
-            s.execute(_INSERT_JOB, {_COLUMN_OF[k]: v for k, v in values.items()})
+        row = {_COLUMN_OF[k]: v for k, v in values.items()}
+        # Counted and inserted in one transaction under the tenant's lock: concurrent submits
+        # cannot all see the last free place (app/services/quotas.py). One Core statement
+        # built once, its values as parameters: the ORM unit of work (about a millisecond per
+        # job) and a statement built per call are both skipped.
+        insert_single_job(
+            self._db, principal.tenant_id, self._max_active, lambda s: s.execute(_INSERT_JOB, row)
+        )
         job = Job(**values)
         try:
             self._queue.enqueue(job.id, job.model, job.priority, request_id=job.request_id)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import secrets
+import threading
 from datetime import timedelta
 
 import pytest
@@ -122,6 +123,70 @@ def test_active_job_cap_per_tenant(stores: Stores) -> None:
     api_key = services.keys.create_key(f"tenant-cap-{secrets.token_hex(3)}")
     assert [post(client, api_key, None, body()).status_code for _ in range(3)] == [202, 202, 429]
     services.close()
+
+
+def test_submits_far_from_the_cap_do_not_wait_for_each_other(stores: Stores) -> None:
+    """Far from its cap, a tenant's submit takes the cap lock shared: another transaction
+    holding it shared (an unfinished submit of the same tenant) does not hold it up. Held
+    exclusively, 64 concurrent submits of one tenant waited 0.4 s each for each other."""
+    services = build_services(make_settings(stores, max_active_jobs_per_tenant=10_000))
+    client = create_app(services=services).test_client()
+    tenant = f"tenant-shared-{secrets.token_hex(3)}"
+    api_key = services.keys.create_key(tenant)
+    done: list[int] = []
+    try:
+        with services.db.session() as s:  # a submit of the same tenant, still open
+            s.execute(
+                text("SELECT pg_advisory_xact_lock_shared(hashtextextended(:k, 0))"),
+                {"k": f"llmq:tenant-cap:{tenant}"},
+            )
+            worker = threading.Thread(
+                target=lambda: done.append(post(client, api_key, None, body()).status_code)
+            )
+            worker.start()
+            worker.join(10)
+            assert done == [202]
+    finally:
+        services.close()
+
+
+def test_concurrent_submits_near_the_cap_stop_exactly_at_it(stores: Stores) -> None:
+    """Submits with fewer than max_connections places left count under the exclusive lock;
+    those before them took it shared: 40 concurrent submits for the last 10 places of a cap
+    above max_connections get 10 acceptances."""
+    probe = build_services(make_settings(stores))
+    with probe.db.session() as s:
+        bound = int(s.scalar(text("SELECT current_setting('max_connections')::int")) or 0)
+    probe.close()
+    cap = bound + 10
+    services = build_services(make_settings(stores, max_active_jobs_per_tenant=cap, db_pool_size=16))
+    app = create_app(services=services)
+    tenant = f"tenant-near-{secrets.token_hex(3)}"
+    api_key = services.keys.create_key(tenant)
+    try:
+        client = app.test_client()
+        for _ in range(bound):  # the shared path all the way
+            assert post(client, api_key, None, body()).status_code == 202
+        start = threading.Barrier(40)
+        codes: list[int] = []
+
+        def submit() -> None:
+            start.wait()
+            codes.append(post(app.test_client(), api_key, None, body()).status_code)
+
+        threads = [threading.Thread(target=submit) for _ in range(40)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert sorted(codes) == [202] * 10 + [429] * 30
+        with services.db.session() as s:
+            active = s.scalar(
+                text("SELECT count(*) FROM jobs WHERE tenant_id = :t AND status = 'queued'"), {"t": tenant}
+            )
+        assert active == cap
+    finally:
+        services.close()
 
 
 def wrong_key(client: FlaskClient, addr: str, forwarded: str | None = None) -> int:
