@@ -22,6 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from redis import Redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from app.settings import Settings
 
@@ -96,3 +98,12 @@ POSTGRES_RESERVED_CONNECTIONS = 3
 def redis_client(url: str) -> Redis[bytes]:
     """A process's Redis client: bounded connect and read waits, idle connections checked."""
     return Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5, health_check_interval=30)
+
+
+def quick_redis_client(url: str) -> Redis[bytes]:
+    """For reads that have a fallback (the API's key cache): one try, short waits. The
+    default client retries a refused connection for about 3.5 s, which every request would
+    wait out while Redis is down."""
+    return Redis.from_url(
+        url, socket_timeout=1, socket_connect_timeout=1, health_check_interval=30, retry=Retry(NoBackoff(), 0)
+    )

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from redis import Redis
 
-from app.connections import api_pool, redis_client
+from app.connections import api_pool, quick_redis_client, redis_client
 from app.db import Database
 from app.events import JobEvents
 from app.liveness import Liveness
@@ -89,6 +89,7 @@ class Services:
         self.streams.close()
         self.db.dispose()
         self.redis.close()
+        self.keys.close()
         if self.constraints is not None:
             self.constraints.close()
         if self.tokenizers is not None:
@@ -125,7 +126,7 @@ def build_services(settings: Settings, *, s3_client: Callable[[], Any] | None = 
     events = JobEvents(redis)
     keys = KeyService(
         db,
-        redis=redis,
+        redis=quick_redis_client(settings.require_redis_url()),
         cache=KeyCache(settings.auth_cache_seconds) if settings.auth_cache_seconds > 0 else None,
     )
     # Nothing model-specific is loaded here: the served app warms its tokenizers in the

@@ -198,20 +198,43 @@ class KeyService:
             found = self._look_up(key, digest)
             limiter.check(found.key_id)
             return found
-        if limiter.check_and_read(hit.principal.key_id, AUTH_GENERATION) == hit.generation:
+        generation: int | None
+        if limiter.enabled:  # needs Redis, as without the cache
+            generation = limiter.check_and_read(hit.principal.key_id, AUTH_GENERATION)
+        else:
+            generation = self._generation()
+        if generation == hit.generation:
             return hit.principal
         return self._look_up(key, digest)  # its request is counted already
 
     def _look_up(self, key: str, digest: str) -> Principal:
-        assert self._cache is not None and self._redis is not None
-        generation = int(self._redis.get(AUTH_GENERATION) or 0)  # read before Postgres
+        """Postgres's answer, kept only when the generation could be read before it."""
+        assert self._cache is not None
+        generation = self._generation()
         try:
             found = self.authenticate(key)
         except Unauthorized:
             self._cache.drop(digest)
             raise
-        self._cache.put(digest, found, generation)
+        if generation is None:
+            self._cache.drop(digest)
+        else:
+            self._cache.put(digest, found, generation)
         return found
+
+    def close(self) -> None:
+        if self._redis is not None:
+            self._redis.close()
+
+    def _generation(self) -> int | None:
+        """AUTH_GENERATION, read before Postgres; None when Redis does not answer (the API
+        gives this service a client that tries once: Postgres answers meanwhile, as it did
+        without the cache, and nothing is kept)."""
+        assert self._redis is not None
+        try:
+            return int(self._redis.get(AUTH_GENERATION) or 0)
+        except RedisError:
+            return None
 
     def _changed(self, what: str) -> None:
         """Tell every API process's key cache that a lookup may answer differently now."""

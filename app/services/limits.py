@@ -66,10 +66,9 @@ class RateLimiter:
         self._refuse_past(wait)
 
     def check_and_read(self, key_id: str, counter: str) -> int:
-        """`check`, and the Redis counter `counter` (0 when missing) read in the same round
-        trip (the API's key cache reads its generation so: app/services/keys.py)."""
-        if not self.enabled:
-            return int(self._redis.get(counter) or 0)
+        """`check` of an enabled limiter, and the Redis counter `counter` (0 when missing)
+        read in the same round trip (the API's key cache reads its generation so:
+        app/services/keys.py)."""
         wait, value = self._take_and_read(
             keys=[f"llmq:{self._scope}:{key_id}", counter], args=[self._rate, self._burst]
         )

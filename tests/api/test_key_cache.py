@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from flask import Flask
 from flask.testing import FlaskClient
+from redis import exceptions as redis_errors
 from sqlalchemy import text
 
 from app.api import create_app
@@ -132,3 +133,26 @@ def test_the_cli_revokes_through_redis_or_says_when_it_applies(
     assert cli(["keys", "revoke", cached.keys.list_keys(tenant)[0].id]) == 0
     assert "LLMQ_REDIS_URL is not set" not in capsys.readouterr().err
     assert_error(client.get("/v2/jobs", headers=auth(key)), 401)
+
+
+def test_with_redis_down_keys_are_looked_up_in_postgres(cached: Services) -> None:
+    """With the rate limit off, an API needed no Redis to authenticate before the cache:
+    it still needs none (a submit while Redis is down is accepted: R6)."""
+    from app.connections import quick_redis_client
+    from app.services.limits import RateLimiter
+
+    down = quick_redis_client("redis://127.0.0.1:1/0")
+    cache = KeyCache(10.0)
+    keys = KeyService(cached.db, redis=down, cache=cache)
+    no_limit = RateLimiter(down, per_minute=0, burst=1)
+    _, key = new_key(cached)
+    first = keys.admit(key, no_limit)
+    assert keys.admit(key, no_limit) == first
+    # An entry kept while Redis was up is checked against Postgres while it is down.
+    up = KeyService(cached.db, redis=cached.redis, cache=cache)
+    assert up.admit(key, RateLimiter(cached.redis, per_minute=0, burst=1)) == first
+    assert keys.admit(key, no_limit) == first
+    # With the rate limit on, Redis is needed, as it was without the cache.
+    with pytest.raises(redis_errors.ConnectionError):
+        keys.admit(key, RateLimiter(down, per_minute=60, burst=10))
+    keys.close()
