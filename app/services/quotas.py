@@ -10,7 +10,9 @@ job after some submit counted, all but those that counted later were open when i
 and at most `max_connections` transactions are open at once; so the one that counted last
 saw a total at most `max_connections` short of the final one. A submit that finds fewer than
 `max_connections` places left starts again under the exclusive lock, which waits for every
-shared holder to commit, and counts exactly."""
+shared holder to commit, and counts exactly (so the last `max_connections` places cost two
+transactions each; with `max_connections` at or above the cap, every submit does).
+`max_connections` is read with each count, so a Postgres restarted with more is seen."""
 
 from __future__ import annotations
 
@@ -27,9 +29,6 @@ from app.models import Batch, Job
 _ACTIVE = (JobStatus.QUEUED.value, JobStatus.RUNNING.value)
 _LOCK = text("SELECT pg_advisory_xact_lock(hashtextextended(:key, 0))")
 _LOCK_SHARED = text("SELECT pg_advisory_xact_lock_shared(hashtextextended(:key, 0))")
-_MAX_CONNECTIONS = text("SELECT current_setting('max_connections')::int")
-# Postgres's max_connections, per database URL (read once per process).
-_max_open: dict[str, int] = {}
 
 
 def lock_tenant(s: Session, tenant_id: str, *, shared: bool = False) -> None:
@@ -40,13 +39,6 @@ def lock_tenant(s: Session, tenant_id: str, *, shared: bool = False) -> None:
 
 class _NearCap(Exception):
     """Too close to the cap for the shared lock: start again under the exclusive one."""
-
-
-def _open_transactions_bound(db: Database, s: Session) -> int:
-    url = str(db.engine.url)
-    if url not in _max_open:
-        _max_open[url] = int(s.scalar(_MAX_CONNECTIONS) or 0)
-    return _max_open[url]
 
 
 def insert_single_job(db: Database, tenant_id: str, cap: int, insert: Callable[[Session], object]) -> None:
@@ -60,7 +52,9 @@ def insert_single_job(db: Database, tenant_id: str, cap: int, insert: Callable[[
         try:
             with db.session() as s:
                 lock_tenant(s, tenant_id, shared=True)
-                if _unfinished(s, tenant_id, batch_lines=False) + _open_transactions_bound(db, s) < cap:
+                # max_connections as the server has it now (a restart may have raised it).
+                active, bound = s.execute(_ACTIVE_SINGLE_AND_BOUND, {"tenant_id": tenant_id}).one()
+                if active + bound < cap:
                     insert(s)
                     return
                 raise _NearCap
@@ -77,6 +71,10 @@ def insert_single_job(db: Database, tenant_id: str, cap: int, insert: Callable[[
 _ACTIVE_SINGLE = text(
     "SELECT count(*) FROM jobs WHERE tenant_id = :tenant_id AND batch_id IS NULL "
     "AND status IN ('queued', 'running')"
+)
+_ACTIVE_SINGLE_AND_BOUND = text(
+    "SELECT count(*), current_setting('max_connections')::int FROM jobs WHERE tenant_id = :tenant_id "
+    "AND batch_id IS NULL AND status IN ('queued', 'running')"
 )
 assert _ACTIVE == ("queued", "running")
 
