@@ -111,7 +111,7 @@ class StreamPublisher:
         """Forget a job whose result was refused by the fence (another worker owns it)."""
         with self._lock:
             self._history.pop(job_id, None)
-        self._unheard.discard(job_id)
+            self._unheard.discard(job_id)
 
     def start(self) -> None:
         self._thread.start()
@@ -181,7 +181,7 @@ class StreamPublisher:
         results = pipe.execute(raise_on_error=False)
         outcomes = [r for (_, event, _), r in zip(batch, results, strict=True) if not event.get("reset")]
         lost: set[str] = set()
-        for (job_id, _final), result in zip(appended, outcomes, strict=True):
+        for (job_id, final), result in zip(appended, outcomes, strict=True):
             if isinstance(result, ResponseError):
                 # An id at or below the stream's last one: this attempt was superseded (a
                 # newer attempt or an external end event owns the log). Drop, never retry.
@@ -190,10 +190,12 @@ class StreamPublisher:
                 raise result
             elif result == 0:
                 lost.add(job_id)
-            elif final or result > 1:
+            elif result > 1:
                 self._unheard.discard(job_id)
             else:
-                self._unheard.add(job_id)
+                with self._lock:  # only while it runs here: not ended, handed back or discarded
+                    if job_id in self._history and not final:
+                        self._unheard.add(job_id)
         if lost:
             self._restore(lost)
         self.published += len(batch)
@@ -201,6 +203,7 @@ class StreamPublisher:
             if final:
                 with self._lock:
                     self._history.pop(job_id, None)
+                    self._unheard.discard(job_id)
 
     def _restore(self, job_ids: set[str]) -> None:
         """The stream was gone when its next event came (Redis restarted without its data):

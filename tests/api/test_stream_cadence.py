@@ -94,3 +94,15 @@ def test_a_job_stream_flushes_by_the_publishers_cadence(publisher: StreamPublish
     assert "".join(e["data"]["choices"][0]["delta"].get("content", "") for e in chunks) == "t" * 200
     # Live cadence (8 tokens or 40 ms) would be 25 chunks or more; quiet is a handful.
     assert len(chunks) <= 5, len(chunks)
+
+
+def test_a_discarded_job_is_forgotten_even_if_its_events_ship_later(publisher: StreamPublisher) -> None:
+    """A job handed back or fenced off is discarded while its events may still be queued:
+    shipping them does not mark it again (the set would grow for the worker's life)."""
+    job_id = f"job_{secrets.token_hex(4)}"
+    publisher.open(job_id, 1, {"id": "chatcmpl-x", "created": 0, "model": "m"})  # type: ignore[arg-type]
+    ship(publisher, job_id, 1)
+    assert publisher.cadence(job_id, 1.5) == (256, 0.5)
+    publisher.discard(job_id)
+    ship(publisher, job_id, 2)
+    assert publisher.cadence(job_id, 1.5) == (8, 0.04)
