@@ -53,7 +53,7 @@ def insert_single_job(db: Database, tenant_id: str, cap: int, insert: Callable[[
             with db.session() as s:
                 lock_tenant(s, tenant_id, shared=True)
                 # max_connections as the server has it now (a restart may have raised it).
-                active, bound = s.execute(_ACTIVE_SINGLE_AND_BOUND, {"tenant_id": tenant_id}).one()
+                active, bound = s.execute(_ACTIVE_SINGLE, {"tenant_id": tenant_id}).one()
                 if active + bound < cap:
                     insert(s)
                     return
@@ -67,12 +67,9 @@ def insert_single_job(db: Database, tenant_id: str, cap: int, insert: Callable[[
 
 # Every single-job submit runs this: a constant text statement costs SQLAlchemy no
 # statement building or cache-key walk (the `select()` built per call was about a tenth of
-# a submit's CPU in the API).
+# a submit's CPU in the API). The tenant's single jobs queued or running, and Postgres's
+# max_connections (the shared path's bound).
 _ACTIVE_SINGLE = text(
-    "SELECT count(*) FROM jobs WHERE tenant_id = :tenant_id AND batch_id IS NULL "
-    "AND status IN ('queued', 'running')"
-)
-_ACTIVE_SINGLE_AND_BOUND = text(
     "SELECT count(*), current_setting('max_connections')::int FROM jobs WHERE tenant_id = :tenant_id "
     "AND batch_id IS NULL AND status IN ('queued', 'running')"
 )
@@ -81,7 +78,7 @@ assert _ACTIVE == ("queued", "running")
 
 def _unfinished(s: Session, tenant_id: str, *, batch_lines: bool) -> int:
     if not batch_lines:
-        return int(s.scalar(_ACTIVE_SINGLE, {"tenant_id": tenant_id}) or 0)
+        return int(s.execute(_ACTIVE_SINGLE, {"tenant_id": tenant_id}).one()[0])
     q = (
         select(func.count())
         .select_from(Job)
