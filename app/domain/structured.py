@@ -70,6 +70,10 @@ class Lru(Generic[K, V]):
             while len(self._items) > self._size:
                 self._items.popitem(last=False)
 
+    def drop(self, key: K) -> None:
+        with self._lock:
+            self._items.pop(key, None)
+
 
 def _digest(kwargs: dict[str, Any]) -> str:
     text = json.dumps(kwargs, separators=(",", ":"), ensure_ascii=False)

@@ -5,9 +5,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import secrets
-import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
@@ -18,6 +16,7 @@ from sqlalchemy import select, text, update
 from sqlalchemy.dialects.postgresql import insert
 
 from app.db import Database
+from app.domain.structured import Lru
 from app.errors import NotFound, Unauthorized
 from app.ids import new_id
 from app.logs import remember_secret
@@ -88,31 +87,20 @@ class KeyCache:
 
     def __init__(self, seconds: float, size: int = 10_000) -> None:
         self.seconds = seconds
-        self._size = size
-        self._entries: OrderedDict[str, _Lookup] = OrderedDict()
-        self._lock = threading.Lock()
+        self._entries: Lru[str, _Lookup] = Lru(size)
 
     def get(self, digest: str) -> _Lookup | None:
-        with self._lock:
-            found = self._entries.get(digest)
-            if found is None:
-                return None
-            if found.until <= time.monotonic():
-                del self._entries[digest]
-                return None
-            self._entries.move_to_end(digest)
-            return found
+        found = self._entries.get(digest)
+        if found is not None and found.until <= time.monotonic():
+            self._entries.drop(digest)
+            return None
+        return found
 
     def put(self, digest: str, principal: Principal, generation: int) -> None:
-        with self._lock:
-            self._entries[digest] = _Lookup(principal, generation, time.monotonic() + self.seconds)
-            self._entries.move_to_end(digest)
-            while len(self._entries) > self._size:
-                self._entries.popitem(last=False)
+        self._entries.put(digest, _Lookup(principal, generation, time.monotonic() + self.seconds))
 
     def drop(self, digest: str) -> None:
-        with self._lock:
-            self._entries.pop(digest, None)
+        self._entries.drop(digest)
 
 
 class KeyService:
