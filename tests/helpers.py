@@ -187,6 +187,7 @@ class WorkerProcess:
 
 class ApiProcess:
     def __init__(self, env: dict[str, str], log_path: Path) -> None:
+        self.log_path = log_path
         self.port = free_port(18500)
         self.url = f"http://127.0.0.1:{self.port}"
         log = open(log_path, "ab")  # noqa: SIM115
@@ -210,6 +211,13 @@ class ApiProcess:
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
         self.proc.wait(30)
+
+    def warnings(self, last: int = 20) -> list[str]:
+        """The log's last WARNING and ERROR lines: what a failed assertion shows (CI keeps
+        no logs)."""
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        marks = (" WARNING ", " ERROR ", "[WARNING]", "[ERROR]", "[CRITICAL]")
+        return [x for x in lines if any(m in x for m in marks)][-last:]
 
 
 @dataclass

@@ -306,7 +306,8 @@ def test_a_download_page_is_bounded_in_bytes_not_only_lines(
     quick_app: Flask, quick: Services, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Pages stop at the byte budget (at least one line each, even a line over it), so an API
-    process holds one page of a file with huge lines, and the file still comes back whole."""
+    process holds one page of a file with huge lines, and the file still comes back whole.
+    The first page, read before the status line, has a budget of its own."""
     client = quick_app.test_client()
     key = new_key(quick)
     sizes = [300, 300, 300, 5000, 300, 300, 300, 300, 300, 300, 300]  # one line over the budget
@@ -321,9 +322,11 @@ def test_a_download_page_is_bounded_in_bytes_not_only_lines(
         return end
 
     monkeypatch.setattr(files_module, "page_end", recorded)
-    assert b"".join(quick.files.input_lines(file_id, page_bytes=1000)) == body
+    assert b"".join(quick.files.input_lines(file_id, page_bytes=1000, first_page_bytes=1)) == body
+    assert len(pages[0]) == 1
     assert [len(p) for p in pages if p] != [len(sizes)]  # it did page
     assert all(sum(p) <= 1000 or len(p) == 1 for p in pages)
+    assert max(len(p) for p in pages) > 1
     assert [p for p in pages if sum(p) > 1000] == [[len(body.splitlines()[3])]]  # the big line alone
     assert sum(len(p) for p in pages) == len(sizes)
 
