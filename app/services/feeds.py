@@ -7,6 +7,7 @@ from __future__ import annotations
 import bisect
 import json
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +48,23 @@ class JobFeed:
         self._exists = False
         self._read_version = -1
         self.reads = 0  # XRANGEs issued, for tests and curiosity
+        self._look_lock = threading.Lock()
+        self._look: tuple[float, Any] | None = None  # (monotonic time it was asked, answer)
+
+    def looked_up(self, load: Callable[[], Any], fresh_for: float) -> Any:
+        """`load()`'s answer (a look at the job in Postgres), shared by the job's
+        subscribers in this process: one loads at a time, and an answer asked for less than
+        `fresh_for` seconds ago is everyone's. A burst of 600 streams on a quiet job
+        reaches its heartbeat together, and each asked Postgres whether the job had ended.
+        None (Postgres did not answer) is not kept."""
+        with self._look_lock:
+            now = time.monotonic()
+            if self._look is not None and now - self._look[0] < fresh_for:
+                return self._look[1]
+            answer = load()
+            if answer is not None:
+                self._look = (now, answer)
+            return answer
 
     def after(self, cursor: EventId | None) -> FeedRead:
         """Raises RedisError when Redis cannot be read (nothing is lost; the next call

@@ -35,7 +35,7 @@ from app.events import (
 )
 from app.models import Job
 from app.schemas.completion import RecordedStream
-from app.services.feeds import FeedRead
+from app.services.feeds import FeedRead, JobFeed
 from app.services.keys import KeyService, Principal
 from app.services.notifier import Notifier
 from app.services.ownership import load_owned
@@ -149,6 +149,12 @@ class StreamService:
             )
             return None
 
+    def _shared_view(self, feed: JobFeed, principal: Principal, view: JobView) -> JobView | None:
+        """`_view_now`, shared with the job's other streams in this process for half a
+        heartbeat: a lost end event is still found within a heartbeat and a half."""
+        found: JobView | None = feed.looked_up(lambda: self._view_now(principal, view), self._heartbeat / 2)
+        return found
+
     def _from_redis(self, job_id: str, after: EventId | None) -> tuple[list[dict[str, Any]], bool]:
         """Events after `after`, and whether the stream exists at all."""
         key = job_stream(job_id)
@@ -190,6 +196,10 @@ class StreamService:
         with self._notifier.watch(view.id) as waiter:
             epoch = cursor.epoch if cursor else None
             from_postgres = False
+            # `view` was read from Postgres as the stream opened: the first look there is
+            # that read, not another (a burst of streams on a queued job, whose Redis stream
+            # does not exist yet, cost two reads each).
+            fresh: JobView | None = view
             now = time.monotonic()
             next_heartbeat, next_key_check = now + self._heartbeat, now + self._key_check
             while True:
@@ -212,7 +222,7 @@ class StreamService:
                     events = read.events
                     from_postgres = not events and not read.exists
                 if from_postgres:
-                    latest = self._view_now(principal, view)
+                    latest = fresh or self._shared_view(waiter.feed, principal, view)
                     if latest is not None:
                         view = latest
                         from_postgres = False
@@ -221,6 +231,7 @@ class StreamService:
                             if not events:  # resumed at or past the recorded end
                                 yield DONE
                                 return
+                fresh = None
                 for event in events:
                     eid = _eid(event)
                     if epoch is not None and eid.epoch > epoch and event.get("type") != END_EVENT:
@@ -242,7 +253,7 @@ class StreamService:
                     next_heartbeat = time.monotonic() + self._heartbeat
                     # Quiet for a whole heartbeat: if the job ended without its end event
                     # reaching Redis, Postgres has the rest.
-                    latest = self._view_now(principal, view)
+                    latest = self._shared_view(waiter.feed, principal, view)
                     from_postgres = from_postgres or (latest is not None and latest.terminal)
 
     def _final(self, view: JobView, event: dict[str, Any], include_usage: bool) -> Iterator[str]:

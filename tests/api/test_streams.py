@@ -22,6 +22,8 @@ import app.services.files as files_module
 from app.api import create_app
 from app.container import Services, build_services
 from app.events import job_channel, job_stream, notification
+from app.services.sse import HEARTBEAT
+from app.services.streaming import StreamService
 from tests.helpers import Stores, auth, jsonl, line, make_settings, upload
 
 DONE = "data: [DONE]\n\n"
@@ -173,6 +175,72 @@ def test_resume_before_the_end_replays_the_rest(
     ]
     assert contents == (["Hel", "lo"] if resume is None else ["lo"])
     assert reader.text.endswith(DONE)
+
+
+def test_a_stream_opened_on_a_queued_job_reads_postgres_once_until_its_heartbeat(
+    quick_app: Flask, quick: Services, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Opening reads the job; with no Redis stream yet (queued), the first look for events
+    uses that read instead of a second one (a burst of 600 streams read it twice each)."""
+    client = quick_app.test_client()
+    key = new_key(quick)
+    job_id = queued_job(client, key)
+    reads: list[str] = []
+    original = StreamService._view
+
+    def counted(self: StreamService, principal: Any, job: str) -> Any:
+        reads.append(job)
+        return original(self, principal, job)
+
+    monkeypatch.setattr(quick.streams, "_key_check", 60.0)  # only the heartbeat wakes it
+    principal = quick.keys.authenticate(key)
+    # The process's notifier connects with its first watcher and wakes every watcher once.
+    warm = quick.streams.open_stream(principal, queued_job(client, key), None)
+    assert next(warm) == HEARTBEAT
+    warm.close()
+    monkeypatch.setattr(StreamService, "_view", counted)
+    body = quick.streams.open_stream(principal, job_id, None)
+    assert reads == [job_id]
+    assert next(body) == HEARTBEAT  # it looked for events, found none, waited a heartbeat
+    assert reads == [job_id]
+    # Quiet for a whole heartbeat: Postgres is asked again whether the job ended.
+    quick.redis.xadd(job_stream(job_id), {"e": json.dumps(chunk("1-1", "a"))}, id="1-1")
+    quick.redis.publish(job_channel(job_id), notification("1-1", final=False))
+    assert "id: 1-1" in next(body)
+    assert reads == [job_id, job_id]
+    body.close()
+
+
+def test_quiet_streams_of_one_job_share_their_heartbeat_look_at_postgres(
+    quick_app: Flask, quick: Services, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each quiet stream asks Postgres at its heartbeat whether the job ended without its
+    end event reaching Redis: the job's streams in one process ask once between them."""
+    client = quick_app.test_client()
+    key = new_key(quick)
+    job_id = queued_job(client, key)
+    principal = quick.keys.authenticate(key)
+    monkeypatch.setattr(quick.streams, "_key_check", 60.0)
+    bodies = [quick.streams.open_stream(principal, job_id, None) for _ in range(5)]
+    reads: list[str] = []
+    original = StreamService._view
+
+    def counted(self: StreamService, principal: Any, job: str) -> Any:
+        reads.append(job)
+        return original(self, principal, job)
+
+    monkeypatch.setattr(StreamService, "_view", counted)
+    threads = [threading.Thread(target=lambda b=b: [next(b), next(b)]) for b in bodies]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.7)  # each has sent its heartbeat (0.5 s) and looked
+    quick.redis.xadd(job_stream(job_id), {"e": json.dumps(chunk("1-1", "a"))}, id="1-1")
+    quick.redis.publish(job_channel(job_id), notification("1-1", final=False))
+    for thread in threads:
+        thread.join(5)
+    assert reads == [job_id]
+    for body in bodies:
+        body.close()
 
 
 # --- X12: a revoked key's stream ends ----------------------------------------------------
