@@ -10,11 +10,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from redis import Redis
 
 from app.events import END_EVENT, EventId, job_stream, parse_event_id
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,7 @@ class JobFeed:
         self._look_lock = threading.Lock()
         self._look: tuple[float, Any] | None = None  # (monotonic time it was asked, answer)
 
-    def looked_up(self, load: Callable[[], Any], fresh_for: float) -> Any:
+    def looked_up(self, load: Callable[[], T | None], fresh_for: float) -> T | None:
         """`load()`'s answer (a look at the job in Postgres), shared by the job's
         subscribers in this process: one loads at a time, and an answer asked for less than
         `fresh_for` seconds ago is everyone's. A burst of 600 streams on a quiet job
@@ -60,7 +62,8 @@ class JobFeed:
         with self._look_lock:
             now = time.monotonic()
             if self._look is not None and now - self._look[0] < fresh_for:
-                return self._look[1]
+                kept: T = self._look[1]
+                return kept
             answer = load()
             if answer is not None:
                 self._look = (now, answer)

@@ -436,7 +436,8 @@ class FileService:
         after = 0
         while True:
             in_order = (FileLine.file_id == file_id, FileLine.line_no > after)
-            with self._db.page(first=after == 0) as conn:
+            first = after == 0
+            with self._db.page(first=first) as conn:
                 # Sizes first: octet_length reads the stored length, not the (TOASTed) text.
                 sizes = conn.execute(
                     select(FileLine.line_no, func.octet_length(FileLine.raw))
@@ -444,7 +445,7 @@ class FileService:
                     .order_by(FileLine.line_no)
                     .limit(page)
                 ).all()
-                last = page_end(sizes, first_page_bytes if after == 0 else page_bytes)
+                last = page_end(sizes, first_page_bytes if first else page_bytes)
                 if last is None:
                     return
                 rows = conn.execute(

@@ -152,8 +152,7 @@ class StreamService:
     def _shared_view(self, feed: JobFeed, principal: Principal, view: JobView) -> JobView | None:
         """`_view_now`, shared with the job's other streams in this process for half a
         heartbeat: a lost end event is still found within a heartbeat and a half."""
-        found: JobView | None = feed.looked_up(lambda: self._view_now(principal, view), self._heartbeat / 2)
-        return found
+        return feed.looked_up(lambda: self._view_now(principal, view), self._heartbeat / 2)
 
     def _from_redis(self, job_id: str, after: EventId | None) -> tuple[list[dict[str, Any]], bool]:
         """Events after `after`, and whether the stream exists at all."""

@@ -177,14 +177,10 @@ def test_resume_before_the_end_replays_the_rest(
     assert reader.text.endswith(DONE)
 
 
-def test_a_stream_opened_on_a_queued_job_reads_postgres_once_until_its_heartbeat(
-    quick_app: Flask, quick: Services, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Opening reads the job; with no Redis stream yet (queued), the first look for events
-    uses that read instead of a second one (a burst of 600 streams read it twice each)."""
-    client = quick_app.test_client()
-    key = new_key(quick)
-    job_id = queued_job(client, key)
+@pytest.fixture
+def view_reads(quick: Services, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Each time a stream reads its job from Postgres; only a heartbeat wakes a quiet
+    stream (no key checks)."""
     reads: list[str] = []
     original = StreamService._view
 
@@ -192,13 +188,26 @@ def test_a_stream_opened_on_a_queued_job_reads_postgres_once_until_its_heartbeat
         reads.append(job)
         return original(self, principal, job)
 
-    monkeypatch.setattr(quick.streams, "_key_check", 60.0)  # only the heartbeat wakes it
+    monkeypatch.setattr(StreamService, "_view", counted)
+    monkeypatch.setattr(quick.streams, "_key_check", 60.0)
+    return reads
+
+
+def test_a_stream_opened_on_a_queued_job_reads_postgres_once_until_its_heartbeat(
+    quick_app: Flask, quick: Services, view_reads: list[str]
+) -> None:
+    """Opening reads the job; with no Redis stream yet (queued), the first look for events
+    uses that read instead of a second one (a burst of 600 streams read it twice each)."""
+    client = quick_app.test_client()
+    key = new_key(quick)
+    job_id = queued_job(client, key)
     principal = quick.keys.authenticate(key)
     # The process's notifier connects with its first watcher and wakes every watcher once.
     warm = quick.streams.open_stream(principal, queued_job(client, key), None)
     assert next(warm) == HEARTBEAT
     warm.close()
-    monkeypatch.setattr(StreamService, "_view", counted)
+    reads = view_reads
+    reads.clear()
     body = quick.streams.open_stream(principal, job_id, None)
     assert reads == [job_id]
     assert next(body) == HEARTBEAT  # it looked for events, found none, waited a heartbeat
@@ -212,7 +221,7 @@ def test_a_stream_opened_on_a_queued_job_reads_postgres_once_until_its_heartbeat
 
 
 def test_quiet_streams_of_one_job_share_their_heartbeat_look_at_postgres(
-    quick_app: Flask, quick: Services, monkeypatch: pytest.MonkeyPatch
+    quick_app: Flask, quick: Services, view_reads: list[str]
 ) -> None:
     """Each quiet stream asks Postgres at its heartbeat whether the job ended without its
     end event reaching Redis: the job's streams in one process ask once between them."""
@@ -220,16 +229,9 @@ def test_quiet_streams_of_one_job_share_their_heartbeat_look_at_postgres(
     key = new_key(quick)
     job_id = queued_job(client, key)
     principal = quick.keys.authenticate(key)
-    monkeypatch.setattr(quick.streams, "_key_check", 60.0)
     bodies = [quick.streams.open_stream(principal, job_id, None) for _ in range(5)]
-    reads: list[str] = []
-    original = StreamService._view
-
-    def counted(self: StreamService, principal: Any, job: str) -> Any:
-        reads.append(job)
-        return original(self, principal, job)
-
-    monkeypatch.setattr(StreamService, "_view", counted)
+    reads = view_reads
+    reads.clear()
     threads = [threading.Thread(target=lambda b=b: [next(b), next(b)]) for b in bodies]
     for thread in threads:
         thread.start()
