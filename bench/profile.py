@@ -1,12 +1,14 @@
 """Where the CPU goes: py-spy samples the API's gunicorn workers and the Celery worker (not
 vLLM's engine core) while a load runs, and prints the top frames by own time and, among
 llmq's code, by inclusive time.
-`python -m bench.profile submit|batch|upload|generate [--seconds 15]`
+`python -m bench.profile submit|batch|upload|generate|stream [--seconds 15]`
 
 submit: closed-loop POST /v2/jobs (B3's load); batch: a 50,000-line batch (B2's), sampled
 while it runs; upload: B4's 50,000-line file uploaded again and again; generate: B1's load
 (rounds of 64 jobs of 256 tokens) on the real engine with the tiny test model (`--model`),
-where the worker's own time per generated token shows.
+where the worker's own time per generated token shows; stream: B5's load (rounds of 64
+concurrent `stream: true` requests of 128 tokens) on the real engine, where the API's time
+per relayed chunk shows.
 Collapsed stacks are written to bench/results/profile-<load>-<process>.txt (flamegraph.pl
 or speedscope read them). Needs py-spy (the dev extra) and the right to ptrace (root).
 """
@@ -14,6 +16,7 @@ or speedscope read them). Needs py-spy (the dev extra) and the right to ptrace (
 from __future__ import annotations
 
 import argparse
+import asyncio
 import shutil
 import subprocess
 import sys
@@ -27,7 +30,7 @@ import psutil
 
 from app.cli.client import LlmqClient
 from app.cli.stack import Stack
-from bench import b1_engine, b2_overhead, b4_ingest, load
+from bench import b1_engine, b2_overhead, b4_ingest, b5_stream, load
 from bench.common import RESULTS, ROOT, service, submit_all, wait_done
 
 OURS = ("(app/", "(worker/", "(bench/")
@@ -95,9 +98,16 @@ def _generate_for(stack: Stack, served: str, seconds: float) -> None:
         wait_done(stack, submit_all(stack, b1_engine.bodies(64, 256, served)))
 
 
+def _stream_for(stack: Stack, served: str, seconds: float) -> None:
+    """Rounds of B5's 64 concurrent streams of 128 tokens until `seconds` have passed."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        asyncio.run(b5_stream.streams_at(stack.base_url, stack.api_key, served, 64, 128))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("load", choices=("submit", "batch", "upload", "generate"))
+    p.add_argument("load", choices=("submit", "batch", "upload", "generate", "stream"))
     p.add_argument("--seconds", type=float, default=15)
     p.add_argument("--model", default=str(ROOT / ".test-models" / "tiny"), help="the model for `generate`")
     a = p.parse_args()
@@ -113,6 +123,8 @@ def main() -> None:
     model, served = "instant", b2_overhead.SERVED
     if a.load == "generate":  # B1's settings: the defaults, on the real engine
         env, model, served = {}, a.model, "bench-b1"
+    elif a.load == "stream":  # B5's: one key holds every stream
+        env, model, served = {"LLMQ_MAX_STREAMS_PER_KEY": "128"}, a.model, "bench-b5"
     RESULTS.mkdir(parents=True, exist_ok=True)
     with service(model, served, **env) as stack:
         targets = {f"api{i}": c.pid for i, c in enumerate(psutil.Process(stack.procs["api"].pid).children())}
@@ -137,6 +149,9 @@ def main() -> None:
         elif a.load == "generate":
             wait_done(stack, submit_all(stack, b1_engine.bodies(8, 1, served)))  # warm-up
             work = threading.Thread(target=_generate_for, args=(stack, served, a.seconds + 2))
+        elif a.load == "stream":
+            wait_done(stack, submit_all(stack, b1_engine.bodies(4 * stack.settings.api_workers, 1, served)))
+            work = threading.Thread(target=_stream_for, args=(stack, served, a.seconds + 2))
         else:
             # Sampling starts once the batch runs (its upload and creation are B4's).
             path = Path(tempfile.mkdtemp()) / "profile.jsonl"
