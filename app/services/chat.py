@@ -64,12 +64,11 @@ class ChatService:
             raise InvalidRequest(
                 "bench requests need `max_tokens`: they generate exactly that many", param="max_tokens"
             )
-        job = self._jobs.submit_request(
-            principal, request, kind=JobKind.BENCH if bench else JobKind.CHAT, idem=idem
-        )
+        kind = JobKind.BENCH if bench else JobKind.CHAT
+        job = self._jobs.submit_request(principal, request, kind=kind, idem=idem)
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
-            stream = self._streams.open_stream(principal, job.id, None, include_usage=include_usage)
+            stream = self._streams.open_submitted(principal, job, kind, include_usage=include_usage)
             return ChatResult(stream=stream, job_id=job.id)
         if not self._streams.wait_for_end(principal, job.id, self._wait):
             return ChatResult(pending=self._jobs.get(principal, job.id), job_id=job.id)

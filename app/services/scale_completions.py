@@ -19,6 +19,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from app.domain.status import JobKind
 from app.errors import InvalidRequest, LlmqError
 from app.schemas.jobs import JobObject
 from app.schemas.scale import (
@@ -129,7 +130,7 @@ class ScaleCompletionService:
 
     def _submit(
         self, principal: Principal, model: str | None, payload: Any, *, streaming: bool
-    ) -> tuple[str, bool]:
+    ) -> tuple[JobObject, bool]:
         if not model:
             raise InvalidRequest(
                 "the query parameter `model_endpoint_name` is required", param="model_endpoint_name"
@@ -143,7 +144,7 @@ class ScaleCompletionService:
         except LlmqError as exc:
             raise _renamed(exc) from exc
         job = self._completions.submit(principal, request)
-        return job.id, bool(scale.return_token_log_probs)
+        return job, bool(scale.return_token_log_probs)
 
     def sync(self, principal: Principal, model: str | None, payload: Any) -> ScaleResult:
         """`POST /v1/llm/completions-sync`.
@@ -153,7 +154,8 @@ class ScaleCompletionService:
                 naming the Scale field.
             LlmqError: the job itself failed; its error, with the status its type implies.
         """
-        job_id, _ = self._submit(principal, model, payload, streaming=False)
+        job, _ = self._submit(principal, model, payload, streaming=False)
+        job_id = job.id
         result = self._completions.wait(principal, job_id)
         if result.pending is not None:
             return ScaleResult(job_id, pending=result.pending)
@@ -162,9 +164,9 @@ class ScaleCompletionService:
 
     def stream(self, principal: Principal, model: str | None, payload: Any) -> ScaleResult:
         """`POST /v1/llm/completions-stream`: validate and queue now, then relay."""
-        job_id, logprobs = self._submit(principal, model, payload, streaming=True)
-        frames = self._streams.open_stream(principal, job_id, None, include_usage=True)
-        return ScaleResult(job_id, stream=relay(job_id, frames, logprobs=logprobs))
+        job, logprobs = self._submit(principal, model, payload, streaming=True)
+        frames = self._streams.open_submitted(principal, job, JobKind.COMPLETION, include_usage=True)
+        return ScaleResult(job.id, stream=relay(job.id, frames, logprobs=logprobs))
 
 
 def _event(job_id: str, output: CompletionStreamOutput) -> str:

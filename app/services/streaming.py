@@ -35,6 +35,7 @@ from app.events import (
 )
 from app.models import Job
 from app.schemas.completion import RecordedStream
+from app.schemas.jobs import JobObject
 from app.services.feeds import FeedRead, JobFeed
 from app.services.keys import KeyService, Principal
 from app.services.notifier import Notifier
@@ -188,6 +189,30 @@ class StreamService:
         cursor = parse_event_id(last_event_id)
         usage_wanted = view.include_usage if include_usage is None else include_usage
         return self._sse(principal, view, cursor, usage_wanted)
+
+    def open_submitted(
+        self, principal: Principal, job: JobObject, kind: JobKind, *, include_usage: bool
+    ) -> Iterator[str]:
+        """The stream of a job this request has just submitted (`stream: true`): the job as
+        the submit returned it is the stream's first view, so opening reads nothing (64
+        streamed requests arriving together each read their new job back, a fifth of the
+        API's CPU for them). A job an idempotency key replayed that has run since is read
+        as any stream's."""
+        if job.status != JobStatus.QUEUED or job.epoch != 0:
+            return self.open_stream(principal, job.id, None, include_usage=include_usage)
+        view = JobView(
+            id=job.id,
+            status=job.status.value,
+            epoch=job.epoch,
+            model=job.model,
+            created=job.created_at,
+            usage=None,
+            error=None,
+            events=None,
+            include_usage=include_usage,
+            kind=kind.value,
+        )
+        return self._sse(principal, view, None, include_usage)
 
     def _sse(
         self, principal: Principal, view: JobView, cursor: EventId | None, include_usage: bool

@@ -62,7 +62,9 @@ class TextCompletionService:
         job = self.submit(principal, request, idem=idem)
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
-            stream = self._streams.open_stream(principal, job.id, None, include_usage=include_usage)
+            stream = self._streams.open_submitted(
+                principal, job, JobKind.COMPLETION, include_usage=include_usage
+            )
             return ChatResult(stream=stream, job_id=job.id)
         return self.wait(principal, job.id)
 

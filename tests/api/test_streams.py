@@ -220,6 +220,35 @@ def test_a_stream_opened_on_a_queued_job_reads_postgres_once_until_its_heartbeat
     body.close()
 
 
+def test_a_streamed_request_relays_its_new_job_without_reading_it_back(
+    quick_app: Flask, quick: Services, view_reads: list[str]
+) -> None:
+    """`stream: true` submits the job and streams it: the job as submitted is the stream's
+    view, so nothing is read from Postgres before the stream's first heartbeat (opening read
+    it back), and the events, the usage chunk and [DONE] still come as for any stream."""
+    client = quick_app.test_client()
+    key = new_key(quick)
+    principal = quick.keys.authenticate(key)
+    warm = quick.streams.open_stream(principal, queued_job(client, key), None)
+    assert next(warm) == HEARTBEAT  # the notifier's first wake-up, as above
+    warm.close()
+    view_reads.clear()
+    options = {"stream": True, "stream_options": {"include_usage": True}}
+    result = quick.chat.complete(principal, job_body(**options))
+    assert result.stream is not None and result.job_id is not None
+    assert view_reads == []
+    assert next(result.stream) == HEARTBEAT  # it looked for events, found none, waited
+    assert view_reads == []
+    append(quick.redis, result.job_id, chunk("1-1", "a"))
+    assert "id: 1-1" in next(result.stream)
+    usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
+    append(quick.redis, result.job_id, {**end("1-2"), "usage": usage})
+    rest = list(result.stream)
+    assert json.loads(rest[0].split("data: ", 1)[1])["usage"] == usage
+    assert rest[-1] == DONE
+    assert view_reads == [result.job_id]  # only the look after a quiet heartbeat
+
+
 def test_quiet_streams_of_one_job_share_their_heartbeat_look_at_postgres(
     quick_app: Flask, quick: Services, view_reads: list[str]
 ) -> None:
