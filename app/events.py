@@ -1,7 +1,9 @@
 """Redis keys, channels and event ids for job events, shared by the API and the worker.
 
 - `llmq:cancel`          pub/sub: job ids whose cancel was requested (workers listen)
-- `llmq:job:<id>`        pub/sub: "the job's event log grew" (the message is the event id)
+- `llmq:job:<id>`        pub/sub: "the job's event log grew": the event's id (` end` after
+                         it for the last one), and from the worker the event itself before
+                         that (`<event JSON>\n<id>`), so a subscriber need not read it back
 - `llmq:events:<id>`     Redis Stream: the job's replayable event log (chunks, then `end`)
 
 Event ids are `<epoch>-<seq>`: valid Redis Stream ids that grow across attempts, and the
@@ -40,13 +42,27 @@ def job_stream(job_id: str) -> str:
 
 
 def notification(event_id: str, *, final: bool) -> str:
-    """The pub/sub message for an appended event: its id, and ` end` for the last one."""
+    """The pub/sub message for an appended event: its id, and ` end` for the last one. The
+    worker's appends put the event's JSON and a newline before it (the header comes last,
+    so a reader that knows only the header still finds ` end`)."""
     return f"{event_id} end" if final else event_id
 
 
 def is_end_notification(data: Any) -> bool:
     text = data.decode() if isinstance(data, bytes) else str(data)
     return text.endswith(" end")
+
+
+def carried_event(data: bytes) -> tuple[EventId, bytes] | None:
+    """The id and JSON of the event a notification carries, or None when it carries none
+    (an end written from outside the worker, a log written again after Redis lost it)."""
+    payload, newline, header = data.rpartition(b"\n")
+    if not newline:
+        return None
+    match = _EVENT_ID.match(header.split(b" ", 1)[0].decode("ascii", "replace"))
+    if match is None:
+        return None
+    return EventId(int(match.group(1)), int(match.group(2))), payload
 
 
 @dataclass(frozen=True, order=True)

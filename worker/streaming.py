@@ -3,7 +3,8 @@ shaping deltas into chunks is worker/deltas.py).
 
 Each job's events go to the Redis Stream `llmq:events:<job_id>` with explicit ids
 `<epoch>-<seq>` (so ids grow across attempts and double as SSE ids), and each append is
-announced on the pub/sub channel `llmq:job:<job_id>`. Deltas reach it coalesced (one event
+announced on the pub/sub channel `llmq:job:<job_id>` with the event itself, so the API's
+subscribers need not read it back. Deltas reach it coalesced (one event
 per `flush_tokens` tokens or `flush_seconds`), so Redis work grows with streams, not tokens.
 
 Most jobs have nobody watching (a batch line, a job that is polled): PUBLISH answers how
@@ -41,12 +42,13 @@ log = logging.getLogger("llmq.stream")
 
 # Append one event unless the stream should exist and does not (Redis restarted and lost
 # it): then answer 0 and append nothing, so no reader ever sees a log with a hole in it.
-# Otherwise answer 1 + the number of subscribers that heard the announcement.
+# Otherwise announce it, carrying the event (`<payload>\n<notification>`, app/events.py),
+# and answer 1 + the number of subscribers that heard the announcement.
 # KEYS: stream, channel. ARGV: id, payload, maxlen, must_exist, notification, expire.
 _APPEND = """
 if ARGV[4] == '1' and redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[3], ARGV[1], 'e', ARGV[2])
-local heard = redis.call('PUBLISH', KEYS[2], ARGV[5])
+local heard = redis.call('PUBLISH', KEYS[2], ARGV[2] .. '\\n' .. ARGV[5])
 if ARGV[6] ~= '0' then redis.call('EXPIRE', KEYS[1], ARGV[6]) end
 return 1 + heard
 """

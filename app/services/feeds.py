@@ -1,6 +1,7 @@
 """One reader per job per process: the job's Redis Stream is read once per notification and
 the events are handed to every subscriber of that job in this process, so 600 subscribers
-of one job cost one XRANGE per event, not 600."""
+of one job cost one XRANGE per event, not 600. An event that came with its notification
+and follows the log as read so far costs no XRANGE at all."""
 
 from __future__ import annotations
 
@@ -47,9 +48,13 @@ class JobFeed:
         self._lock = threading.Lock()
         self._ids: list[EventId] = []
         self._events: list[dict[str, Any]] = []
+        # Carried events kept but not yet parsed (the JSON of _ids[len(_events):]): a job
+        # only waited on, not streamed, never pays for parsing its chunks.
+        self._unparsed: list[bytes] = []
         self._exists = False
         self._read_version = -1
         self.reads = 0  # XRANGEs issued, for tests and curiosity
+        self.carried = 0  # events kept from their notifications
         self._look_lock = threading.Lock()
         self._look: tuple[float, Any] | None = None  # (monotonic time it was asked, answer)
 
@@ -69,10 +74,39 @@ class JobFeed:
                 self._look = (now, answer)
             return answer
 
+    def offer(self, eid: EventId, raw: bytes, version: int) -> None:
+        """An event carried by the job's notification number `version`: kept when it is the
+        next event of the log as read so far (the same attempt, the next sequence number),
+        and then, if this feed had read up to the notification before it, nobody reads
+        Redis for it. Anything else (a gap, a new attempt) is left to the next XRANGE, as
+        is an event offered while a subscriber reads the log: the process's one notifier
+        does not wait on a Redis read."""
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            last = self._ids[-1] if self._ids else None
+            if last is None:
+                follows = eid.seq == 1 and self._read_version >= 0
+            else:
+                follows = eid.epoch == last.epoch and eid.seq == last.seq + 1
+            if not follows:
+                return
+            self._ids.append(eid)
+            self._unparsed.append(raw)
+            self._exists = True
+            self.carried += 1
+            if self._read_version == version - 1:
+                self._read_version = version
+        finally:
+            self._lock.release()
+
     def after(self, cursor: EventId | None) -> FeedRead:
         """Raises RedisError when Redis cannot be read (nothing is lost; the next call
         reads again)."""
         with self._lock:
+            if self._unparsed:
+                self._events.extend(json.loads(raw) for raw in self._unparsed)
+                self._unparsed.clear()
             version = self._version()
             if version != self._read_version:
                 self._read()

@@ -12,7 +12,7 @@ from typing import Any
 from redis import Redis
 from redis.exceptions import RedisError
 
-from app.events import is_end_notification, job_channel
+from app.events import carried_event, is_end_notification, job_channel
 from app.services.feeds import JobFeed
 
 log = logging.getLogger("llmq.stream")
@@ -139,9 +139,15 @@ class Notifier:
             if kind != "message":
                 return
             # Before anyone wakes, so a woken subscriber's feed sees the log moved.
-            self._versions[channel] = self._versions.get(channel, 0) + 1
+            version = self._versions[channel] = self._versions.get(channel, 0) + 1
             waiters = list(self._waiters.get(channel, ()))
-        final = is_end_notification(message["data"])
+            feed = self._feeds.get(channel)
+        data = message["data"]
+        carried = carried_event(data) if feed is not None and isinstance(data, bytes) else None
+        if carried is not None:
+            assert feed is not None
+            feed.offer(*carried, version)
+        final = is_end_notification(data)
         for waiter in waiters:
             waiter.notify(final)
 

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from app.events import job_channel, job_stream
+from app.events import EventId, carried_event, is_end_notification, job_channel, job_stream
 from tests.helpers import Stores
 from worker.streaming import StreamPublisher
 
@@ -106,3 +106,33 @@ def test_a_discarded_job_is_forgotten_even_if_its_events_ship_later(publisher: S
     publisher.discard(job_id)
     ship(publisher, job_id, 2)
     assert publisher.cadence(job_id, 1.5) == (8, 0.04)
+
+
+def test_an_announcement_carries_its_event_as_the_log_holds_it(
+    publisher: StreamPublisher, stores: Stores
+) -> None:
+    """`<event JSON>\\n<id>`, ` end` after the last id: a subscriber can keep the event without
+    reading the log, and a reader of the header alone still sees the end."""
+    job_id = f"job_{secrets.token_hex(4)}"
+    publisher.open(job_id, 1, {"id": "chatcmpl-x", "created": 0, "model": "m"})  # type: ignore[arg-type]
+    r = redis.Redis.from_url(stores.redis_url)
+    sub = r.pubsub(ignore_subscribe_messages=True)
+    sub.subscribe(job_channel(job_id))
+    try:
+        ship(publisher, job_id, 1)
+        ship(publisher, job_id, 2, final=True)
+        messages = []
+        deadline = time.monotonic() + 5
+        while len(messages) < 2 and time.monotonic() < deadline:
+            message = sub.get_message(timeout=0.1)
+            if message is not None:
+                messages.append(message["data"])
+    finally:
+        sub.close()
+    logged = {eid.decode(): fields[b"e"] for eid, fields in r.xrange(job_stream(job_id))}
+    assert [carried_event(m) for m in messages] == [
+        (EventId(1, 1), logged["1-1"]),
+        (EventId(1, 2), logged["1-2"]),
+    ]
+    assert [is_end_notification(m) for m in messages] == [False, True]
+    assert carried_event(b"1-3 end") is None  # an end written from outside: the id alone

@@ -22,6 +22,7 @@ import app.services.files as files_module
 from app.api import create_app
 from app.container import Services, build_services
 from app.events import job_channel, job_stream, notification
+from app.services.feeds import JobFeed
 from app.services.sse import HEARTBEAT
 from app.services.streaming import StreamService
 from tests.helpers import Stores, auth, jsonl, line, make_settings, upload
@@ -83,10 +84,13 @@ def end(eid: str) -> dict[str, Any]:
     return {"id": eid, "type": "end", "status": "succeeded", "usage": None, "error": None}
 
 
-def append(r: redis.Redis, job_id: str, event: dict[str, Any]) -> None:
-    """What the worker does for each event: append to the log, then notify."""
-    r.xadd(job_stream(job_id), {"e": json.dumps(event)}, id=event["id"])
-    r.publish(job_channel(job_id), notification(event["id"], final=event["type"] == "end"))
+def append(r: redis.Redis, job_id: str, event: dict[str, Any], *, carried: bool = True) -> None:
+    """What the worker does for each event: append to the log, then notify, carrying the
+    event (`carried=False`: the id alone, as an end written from outside the worker)."""
+    payload = json.dumps(event)
+    r.xadd(job_stream(job_id), {"e": payload}, id=event["id"])
+    header = notification(event["id"], final=event["type"] == "end")
+    r.publish(job_channel(job_id), f"{payload}\n{header}" if carried else header)
 
 
 @pytest.fixture(scope="module")
@@ -526,15 +530,73 @@ def test_subscribers_of_one_job_share_one_read_per_event(app: Flask, services: S
         assert r.text.endswith(DONE)
 
 
-def test_a_new_attempt_resets_the_shared_log(quick_app: Flask, quick: Services) -> None:
+@pytest.fixture
+def feed_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Each XRANGE a job's shared feed makes (the job's stream key)."""
+    reads: list[str] = []
+    original = JobFeed._read
+
+    def counted(self: JobFeed) -> None:
+        reads.append(self._key)
+        original(self)
+
+    monkeypatch.setattr(JobFeed, "_read", counted)
+    return reads
+
+
+def test_events_carried_by_their_notifications_are_not_read_back(
+    quick_app: Flask, quick: Services, feed_reads: list[str]
+) -> None:
+    """The worker's announcement carries the event: a subscriber whose log is read up to
+    the one before relays it without an XRANGE."""
+    key = new_key(quick)
+    job_id = queued_job(quick_app.test_client(), key)
+    reader = Reader(quick_app.test_client(), f"/v2/jobs/{job_id}/stream", auth(key))
+    assert wait_until(lambda: ": keep-alive" in reader.text, 5)
+    opened = len(feed_reads)
+    for seq in range(1, 11):
+        append(quick.redis, job_id, chunk(f"1-{seq}", f"t{seq}"))
+    append(quick.redis, job_id, end("1-11"))
+    assert reader.done.wait(5)
+    ids = [p.split("\n")[0] for p in reader.data()]
+    assert ids == [f"id: 1-{seq}" for seq in range(1, 11)] + ["data: [DONE]"]
+    assert "".join(
+        json.loads(p.split("data: ", 1)[1])["choices"][0]["delta"]["content"] for p in reader.data()[:-1]
+    ) == "".join(f"t{seq}" for seq in range(1, 11))
+    assert feed_reads[opened:] == []
+
+
+def test_a_carried_event_after_a_gap_waits_for_the_log(
+    quick_app: Flask, quick: Services, feed_reads: list[str]
+) -> None:
+    """An event is kept from its notification only when it follows what was read: after an
+    append nobody announced (or an announcement that was missed), the log is read, and the
+    subscriber still gets every event once, in order."""
+    key = new_key(quick)
+    job_id = queued_job(quick_app.test_client(), key)
+    reader = Reader(quick_app.test_client(), f"/v2/jobs/{job_id}/stream", auth(key))
+    assert wait_until(lambda: ": keep-alive" in reader.text, 5)
+    append(quick.redis, job_id, chunk("1-1", "a"))
+    assert wait_until(lambda: "id: 1-1" in reader.text, 5)
+    opened = len(feed_reads)
+    quick.redis.xadd(job_stream(job_id), {"e": json.dumps(chunk("1-2", "b"))}, id="1-2")  # unannounced
+    append(quick.redis, job_id, chunk("1-3", "c"))
+    append(quick.redis, job_id, end("1-4"), carried=False)
+    assert reader.done.wait(5)
+    assert [p.split("\n")[0] for p in reader.data()] == ["id: 1-1", "id: 1-2", "id: 1-3", "data: [DONE]"]
+    assert len(feed_reads) > opened  # 1-2 and the end came from the log
+
+
+@pytest.mark.parametrize("carried", [True, False], ids=["carried", "announced"])
+def test_a_new_attempt_resets_the_shared_log(quick_app: Flask, quick: Services, carried: bool) -> None:
     """The worker of a new attempt deletes the job's log before its first event; the
     process's shared copy must drop the old attempt too, or a subscriber joining now would
     be replayed the dead attempt and told the stream restarted."""
     key = new_key(quick)
     job_id = queued_job(quick_app.test_client(), key)
     first = Reader(quick_app.test_client(), f"/v2/jobs/{job_id}/stream", auth(key))
-    append(quick.redis, job_id, chunk("1-1", "old"))
-    append(quick.redis, job_id, chunk("1-2", "old"))
+    append(quick.redis, job_id, chunk("1-1", "old"), carried=carried)
+    append(quick.redis, job_id, chunk("1-2", "old"), carried=carried)
     assert wait_until(lambda: "id: 1-2" in first.text, 5)
     # Keeps the job's shared log alive across the reset: it waits for epoch 2.
     waits_for_2 = auth(key) | {"Last-Event-ID": "2-0"}
@@ -542,13 +604,13 @@ def test_a_new_attempt_resets_the_shared_log(quick_app: Flask, quick: Services) 
     assert wait_until(lambda: ": keep-alive" in keeper.text, 5)
 
     quick.redis.delete(job_stream(job_id))
-    append(quick.redis, job_id, chunk("2-1", "new"))
+    append(quick.redis, job_id, chunk("2-1", "new"), carried=carried)
     assert first.done.wait(5) and "stream_restarted" in first.text
     assert wait_until(lambda: "id: 2-1" in keeper.text, 5)
 
     late = Reader(quick_app.test_client(), f"/v2/jobs/{job_id}/stream", auth(key))
     assert wait_until(lambda: "id: 2-1" in late.text, 5)
-    append(quick.redis, job_id, end("2-2"))
+    append(quick.redis, job_id, end("2-2"), carried=carried)
     assert late.done.wait(5) and keeper.done.wait(5)
     assert [p.split("\n")[0] for p in late.data()] == ["id: 2-1", "data: [DONE]"]
     assert "old" not in late.text and "stream_restarted" not in late.text
