@@ -80,16 +80,16 @@ class JobFeed:
         and then, if this feed had read up to the notification before it, nobody reads
         Redis for it. Anything else (a gap, a new attempt) is left to the next XRANGE, as
         is an event offered while a subscriber reads the log: the process's one notifier
-        does not wait on a Redis read."""
+        does not wait on a Redis read. A feed nobody has read (its job is only waited on,
+        by a request that wants the result) keeps nothing."""
         if not self._lock.acquire(blocking=False):
             return
         try:
-            last = self._ids[-1] if self._ids else None
-            if last is None:
-                follows = eid.seq == 1 and self._read_version >= 0
-            else:
-                follows = eid.epoch == last.epoch and eid.seq == last.seq + 1
-            if not follows:
+            if self._read_version < 0:
+                return
+            # The first event of an attempt on an empty log, or the next one of this attempt.
+            last = self._ids[-1] if self._ids else EventId(eid.epoch, 0)
+            if eid.epoch != last.epoch or eid.seq != last.seq + 1:
                 return
             self._ids.append(eid)
             self._unparsed.append(raw)

@@ -155,12 +155,11 @@ class ScaleCompletionService:
             LlmqError: the job itself failed; its error, with the status its type implies.
         """
         job, _ = self._submit(principal, model, payload, streaming=False)
-        job_id = job.id
-        result = self._completions.wait(principal, job_id)
+        result = self._completions.wait(principal, job.id)
         if result.pending is not None:
-            return ScaleResult(job_id, pending=result.pending)
+            return ScaleResult(job.id, pending=result.pending)
         assert result.completion is not None
-        return ScaleResult(job_id, response=sync_response(job_id, result.completion))
+        return ScaleResult(job.id, response=sync_response(job.id, result.completion))
 
     def stream(self, principal: Principal, model: str | None, payload: Any) -> ScaleResult:
         """`POST /v1/llm/completions-stream`: validate and queue now, then relay."""
