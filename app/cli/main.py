@@ -254,7 +254,14 @@ def cmd_batch_download(args: argparse.Namespace) -> int:
     if not (batch.get("output_file_id") or batch.get("error_file_id")):
         print(f"batch {batch['id']} is {batch['status']}: no output or error file yet")
         return 1
-    download(client, batch, Path(args.output_dir) / batch["id"])
+    out = Path(args.output_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        why = "it is a file, not a directory" if out.is_file() else (exc.strerror or str(exc))
+        print(f"cannot write to {out}: {why}", file=sys.stderr)
+        return 1
+    download(client, batch, out / batch["id"])
     return 0
 
 
@@ -550,7 +557,9 @@ def build_parser() -> argparse.ArgumentParser:
         bp.add_argument("batch_id")
         if name == "download":
             bp.add_argument(
-                "--output-dir", default=".", help="where BATCH_ID.output.jsonl and .errors.jsonl go"
+                "--output-dir",
+                default=".",
+                help="where BATCH_ID.output.jsonl and .errors.jsonl go (made if missing)",
             )
         client_args(bp)
         bp.set_defaults(func=func)
