@@ -49,8 +49,10 @@ def notification(event_id: str, *, final: bool) -> str:
 
 
 def is_end_notification(data: Any) -> bool:
-    text = data.decode() if isinstance(data, bytes) else str(data)
-    return text.endswith(" end")
+    # Only the tail is the header: a carried event before it is not decoded for this.
+    if isinstance(data, bytes):
+        return data.endswith(b" end")
+    return str(data).endswith(" end")
 
 
 def carried_event(data: bytes) -> tuple[EventId, bytes] | None:
