@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import secrets
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -85,9 +86,17 @@ class KeyCache:
     for `seconds` at most (a change made in Postgres by hand, or a bump lost while Redis
     was down, is seen within that). Unknown and revoked keys are never kept."""
 
-    def __init__(self, seconds: float, size: int = 10_000) -> None:
+    def __init__(self, seconds: float, size: int = 10_000, lookup_locks: int = 64) -> None:
         self.seconds = seconds
         self._entries: Lru[str, _Lookup] = Lru(size)
+        self._lookup_locks = [threading.Lock() for _ in range(lookup_locks)]
+
+    def lookup_lock(self, digest: str) -> threading.Lock:
+        """Held while a key is looked up in Postgres, so that requests arriving together
+        with a key not yet cached wait for one lookup instead of each making its own (60
+        downloads at once made 60 identical queries, each waiting for the pool). Keys share
+        a fixed set of locks by digest."""
+        return self._lookup_locks[int(digest[:8], 16) % len(self._lookup_locks)]
 
     def get(self, digest: str) -> _Lookup | None:
         found = self._entries.get(digest)
@@ -183,9 +192,13 @@ class KeyService:
         digest = hash_key(key)
         hit = self._cache.get(digest)
         if hit is None:
-            found = self._look_up(key, digest)
-            limiter.check(found.key_id)
-            return found
+            with self._cache.lookup_lock(digest):
+                hit = self._cache.get(digest)  # another request's lookup, made while this waited
+                if hit is None:
+                    found = self._look_up(key, digest)
+            if hit is None:
+                limiter.check(found.key_id)
+                return found
         generation: int | None
         if limiter.enabled:  # needs Redis, as without the cache
             generation = limiter.check_and_read(hit.principal.key_id, AUTH_GENERATION)

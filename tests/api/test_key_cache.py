@@ -156,3 +156,52 @@ def test_with_redis_down_keys_are_looked_up_in_postgres(cached: Services) -> Non
     with pytest.raises(redis_errors.ConnectionError):
         keys.admit(key, RateLimiter(down, per_minute=60, burst=10))
     keys.close()
+
+
+def test_requests_arriving_together_with_a_new_key_make_one_lookup(cached: Services) -> None:
+    """A burst with a key no process has cached (60 downloads at once) waits for one
+    Postgres lookup, not one each, every one of which waits for the pool."""
+    import threading
+
+    from app.services.limits import RateLimiter
+
+    seen: list[str] = []
+    release = threading.Event()
+
+    class Slow(KeyService):
+        def authenticate(self, key: str | None) -> Principal:
+            seen.append(key or "")
+            release.wait(5)  # every other request arrives while this lookup runs
+            return super().authenticate(key)
+
+    keys = Slow(cached.db, redis=cached.redis, cache=KeyCache(10.0))
+    limiter = RateLimiter(cached.redis, per_minute=0, burst=1)
+    _, key = new_key(cached)
+    answers: list[Principal] = []
+    threads = [threading.Thread(target=lambda: answers.append(keys.admit(key, limiter))) for _ in range(20)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    release.set()
+    for t in threads:
+        t.join(10)
+    assert len(answers) == 20 and len(set(answers)) == 1
+    assert len(seen) == 1
+
+    # An unknown key is never kept: each request behind the lock still gets its own 401.
+    seen.clear()
+    answers.clear()
+    failures: list[str] = []
+
+    def unknown() -> None:
+        try:
+            keys.admit("llmq-not-a-key", limiter)
+        except Exception as exc:  # the test collects what each request got
+            failures.append(type(exc).__name__)
+
+    threads = [threading.Thread(target=unknown) for _ in range(5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert failures == ["Unauthorized"] * 5
