@@ -56,12 +56,17 @@ def create_db_engine(
 class Database:
     """Owns the engine and hands out sessions that commit once at the end of a scope."""
 
-    def __init__(self, engine: Engine, *, later_page_slots: int = 1) -> None:
+    def __init__(self, engine: Engine, *, later_page_slots: int = 1, capacity: int | None = None) -> None:
         """`later_page_slots`: how many connections downloads' later pages may hold at once
-        (`page`)."""
+        (`page`); `capacity`: how many the engine's pool may open (pool and overflow), when
+        it is bounded."""
         self.engine = engine
         self._sessions = sessionmaker(engine, expire_on_commit=False)
         self._later_pages = threading.BoundedSemaphore(later_page_slots)
+        self._capacity = capacity
+        self._returned = threading.Condition()
+        if capacity is not None:
+            sqlalchemy.event.listen(engine.pool, "checkin", self._on_checkin)
 
     @classmethod
     def from_url(
@@ -70,6 +75,7 @@ class Database:
         return cls(
             create_db_engine(url, pool, pool_timeout=pool_timeout, transaction_pooler=transaction_pooler),
             later_page_slots=max(1, pool.total // 2),
+            capacity=pool.total,
         )
 
     @classmethod
@@ -89,18 +95,44 @@ class Database:
             yield session
 
     @contextmanager
-    def page(self, *, first: bool) -> Iterator[Connection]:
+    def page(self, *, first: bool, on: Connection | None = None) -> Iterator[Connection]:
         """A connection for one page of a download (its own short query). Pages after the
         first share at most half of the pool, waiting their turn: dozens of downloads keep
         streaming, and the other half stays free for requests, other tenants' calls and new
         downloads' first pages among them, which must find a connection within the pool
-        timeout or answer 503 (CI saw 503s when later pages took the whole pool)."""
+        timeout or answer 503 (CI saw 503s when later pages took the whole pool).
+        `on`: the first page's connection, already held by the request (it read the file's
+        row on it), so that a download's request checks out one connection, not two."""
+        if on is not None:
+            yield on
+            return
         if first:
             with self.engine.connect() as conn:
                 yield conn
             return
-        with self._later_pages, self.engine.connect() as conn:
-            yield conn
+        with self._later_pages:
+            self._wait_for_spare_connection()
+            with self.engine.connect() as conn:
+                yield conn
+
+    def _wait_for_spare_connection(self) -> None:
+        """Wait until two or more of the pool's connections are free (one, for a pool of one).
+        A download's later page never takes the last one, and never one that a waiting request was about to
+        get: when requests queue for the pool, none is free, and the pages wait behind them
+        (60 unread downloads at once, on a loaded machine, kept new requests waiting more
+        than the pool timeout while pages came and went)."""
+        if self._capacity is None:
+            return
+        pool, spare = self.engine.pool, min(2, self._capacity)
+        with self._returned:
+            while self._capacity - pool.checkedout() < spare:  # type: ignore[attr-defined]
+                # The check-in event comes just before the connection is back in the pool:
+                # wake up to look again soon after, and in any case now and then.
+                self._returned.wait(timeout=0.05)
+
+    def _on_checkin(self, *_: object) -> None:
+        with self._returned:
+            self._returned.notify_all()
 
     def dispose(self) -> None:
         self.engine.dispose()

@@ -8,7 +8,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import Connection, select
 
 from app.db import Database
 from app.domain.status import JobStatus
@@ -36,11 +36,17 @@ def part_statuses(part: str) -> list[str]:
 
 
 def line_rows(
-    db: Database, batch_id: str, statuses: list[str], *, page: int = DOWNLOAD_PAGE_ROWS
+    db: Database,
+    batch_id: str,
+    statuses: list[str],
+    *,
+    page: int = DOWNLOAD_PAGE_ROWS,
+    first_on: Connection | None = None,
 ) -> Iterator[Any]:
     """The batch's job rows in `statuses`, in input order: (line_no, id, custom_id, status,
     response, error). Read in pages of `page` rows, each its own short query (keyset on the
-    line number), so a slow reader holds no pooled connection between pages."""
+    line number), so a slow reader holds no pooled connection between pages. `first_on`: a
+    connection the caller holds, for the first page only (`Database.page`)."""
     after = -1
     while True:
         q = (
@@ -49,7 +55,8 @@ def line_rows(
             .order_by(Job.line_no)
             .limit(page)
         )
-        with db.page(first=after == -1) as conn:
+        first = after == -1
+        with db.page(first=first, on=first_on if first else None) as conn:
             rows = conn.execute(q).all()
         yield from rows
         if len(rows) < page:
@@ -58,12 +65,18 @@ def line_rows(
 
 
 def output_lines(
-    db: Database, batch_id: str, part: str, *, page: int = DOWNLOAD_PAGE_ROWS
+    db: Database,
+    batch_id: str,
+    part: str,
+    *,
+    page: int = DOWNLOAD_PAGE_ROWS,
+    first_on: Connection | None = None,
 ) -> Iterator[bytes]:
     """The batch's output (`part` "output": succeeded lines) or error file ("errors": the
-    rest), generated from its job rows in input order; "all": every ended line."""
+    rest), generated from its job rows in input order; "all": every ended line. `first_on`:
+    as for `line_rows`."""
     statuses = ENDED if part == "all" else part_statuses(part)
-    for row in line_rows(db, batch_id, statuses, page=page):
+    for row in line_rows(db, batch_id, statuses, page=page, first_on=first_on):
         yield (json.dumps(output_line(*row[1:]), ensure_ascii=False) + "\n").encode("utf-8")
 
 

@@ -16,7 +16,7 @@ from typing import IO, Any
 
 from pydantic import ValidationError
 from pydantic_core import from_json
-from sqlalchemy import delete, func, select
+from sqlalchemy import Connection, delete, func, select
 
 from app.db import Database
 from app.domain.status import BatchStatus, FilePurpose
@@ -414,10 +414,14 @@ class FileService:
     def content(self, principal: Principal, file_id: str) -> tuple[File, Iterator[bytes]]:
         """The file's bytes, streamed: an input file as uploaded, an output or error file
         generated from its batch's job rows. Raises NotFound for another tenant's file."""
-        f = self.get(principal, file_id)
-        if f.batch_id is not None and f.batch_part is not None:
-            return f, primed(output_lines(self._db, f.batch_id, f.batch_part))
-        return f, primed(self.input_lines(file_id))
+        # One connection for the file's row and the first page: under a burst of downloads
+        # each request waits for the pool once, not twice.
+        with self._db.session() as s:
+            f = load_owned(s, File, file_id, principal.tenant_id)
+            on = s.connection()
+            if f.batch_id is not None and f.batch_part is not None:
+                return f, primed(output_lines(self._db, f.batch_id, f.batch_part, first_on=on))
+            return f, primed(self.input_lines(file_id, first_on=on))
 
     def input_lines(
         self,
@@ -426,18 +430,20 @@ class FileService:
         page: int = DOWNLOAD_PAGE_ROWS,
         page_bytes: int = DOWNLOAD_PAGE_BYTES,
         first_page_bytes: int = FIRST_PAGE_BYTES,
+        first_on: Connection | None = None,
     ) -> Iterator[bytes]:
         """The file as uploaded, a line at a time, read from Postgres in pages of at most
         `page` lines and about `page_bytes` (`first_page_bytes` for the first; always at
         least one line, which may be up to the 32 MiB line bound). Each page is its own short
         query (keyset on the line number), so a client that reads slowly, or not at all, holds
         no pooled connection between pages and an API process holds one page of each download
-        in memory, not a thousand huge lines."""
+        in memory, not a thousand huge lines. `first_on`: a connection the caller holds, for
+        the first page only (`Database.page`)."""
         after = 0
         while True:
             in_order = (FileLine.file_id == file_id, FileLine.line_no > after)
             first = after == 0
-            with self._db.page(first=first) as conn:
+            with self._db.page(first=first, on=first_on if first else None) as conn:
                 # Sizes first: octet_length reads the stored length, not the (TOASTed) text.
                 sizes = conn.execute(
                     select(FileLine.line_no, func.octet_length(FileLine.raw))

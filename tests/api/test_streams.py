@@ -405,6 +405,67 @@ def test_an_unread_download_holds_no_database_connection(quick_app: Flask, quick
     assert [x["custom_id"] for x in lines] == [f"req-{i}" for i in range(2100)]
 
 
+def test_a_download_request_waits_for_the_pool_once(quick_app: Flask, quick: Services) -> None:
+    """The file's row and its first page are read on one connection: in a burst of
+    downloads each request queues for the pool once, not twice."""
+    from sqlalchemy import event
+
+    client = quick_app.test_client()
+    key = new_key(quick)
+    body = jsonl([line(i) for i in range(3)])
+    file_id = upload(client, key, body).get_json()["id"]
+    assert client.get("/v2/jobs", headers=auth(key)).status_code == 200  # the key is cached now
+    checkouts: list[object] = []
+
+    def checked_out(*args: object) -> None:
+        checkouts.append(args)
+
+    event.listen(quick.db.engine.pool, "checkout", checked_out)
+    try:
+        r = client.get(f"/v1/files/{file_id}/content", headers=auth(key))
+    finally:
+        event.remove(quick.db.engine.pool, "checkout", checked_out)
+    assert r.status_code == 200 and r.data == body
+    assert len(checkouts) == 1
+
+
+def test_later_download_pages_never_take_the_last_free_connection(stores: Stores) -> None:
+    """A download's later pages wait while fewer than two connections are free, so a
+    request waiting for the pool is never behind them; a first page or a request does not."""
+    from app.connections import PoolSize
+    from app.db import Database
+
+    db = Database.from_url(stores.database_url, PoolSize(pool=2, overflow=1), pool_timeout=5)
+    entered = threading.Event()
+
+    def later_page() -> None:
+        with db.page(first=False) as conn:
+            conn.execute(text("SELECT 1"))
+            entered.set()
+
+    try:
+        held = [db.engine.connect(), db.engine.connect()]  # one of three left
+        reader = threading.Thread(target=later_page)
+        reader.start()
+        assert not entered.wait(0.4)
+        with db.page(first=True) as conn:  # takes the last one at once
+            assert conn.execute(text("SELECT 1")).scalar() == 1
+        assert not entered.is_set()
+        held.pop().close()  # two free now
+        assert entered.wait(2)
+        reader.join(2)
+        held.pop().close()
+    finally:
+        db.dispose()
+
+    alone = Database.from_url(stores.database_url, PoolSize(pool=1, overflow=0), pool_timeout=5)
+    try:  # a pool of one: its one connection, when free
+        with alone.page(first=False) as conn:
+            assert conn.execute(text("SELECT 1")).scalar() == 1
+    finally:
+        alone.dispose()
+
+
 def test_a_download_page_is_bounded_in_bytes_not_only_lines(
     quick_app: Flask, quick: Services, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -488,7 +549,7 @@ def test_a_download_whose_first_page_meets_a_full_pool_is_a_503(
     key = new_key(quick)
     file_id = upload(client, key, jsonl([line(i) for i in range(3)])).get_json()["id"]
 
-    def full_pool(file_id: str) -> Iterator[bytes]:
+    def full_pool(file_id: str, **_: object) -> Iterator[bytes]:
         raise PoolTimeout("QueuePool limit reached")
         yield b""  # a generator, as the real one
 
