@@ -73,6 +73,15 @@ class KeyInfo:
     revoked_at: datetime | None
 
 
+@dataclass
+class _Flight:
+    """One key's lookup in Postgres that other requests with the same key wait for."""
+
+    generation: int  # AUTH_GENERATION as read before it began
+    done: threading.Event = field(default_factory=threading.Event)
+    principal: Principal | None = None
+
+
 @dataclass(frozen=True)
 class _Lookup:
     principal: Principal
@@ -86,17 +95,32 @@ class KeyCache:
     for `seconds` at most (a change made in Postgres by hand, or a bump lost while Redis
     was down, is seen within that). Unknown and revoked keys are never kept."""
 
-    def __init__(self, seconds: float, size: int = 10_000, lookup_locks: int = 64) -> None:
+    def __init__(self, seconds: float, size: int = 10_000) -> None:
         self.seconds = seconds
         self._entries: Lru[str, _Lookup] = Lru(size)
-        self._lookup_locks = [threading.Lock() for _ in range(lookup_locks)]
+        self._flights: dict[str, _Flight] = {}  # lookups under way, by digest
+        self._flights_lock = threading.Lock()
 
-    def lookup_lock(self, digest: str) -> threading.Lock:
-        """Held while a key is looked up in Postgres, so that requests arriving together
-        with a key not yet cached wait for one lookup instead of each making its own (60
-        downloads at once made 60 identical queries, each waiting for the pool). Keys share
-        a fixed set of locks by digest."""
-        return self._lookup_locks[int(digest[:8], 16) % len(self._lookup_locks)]
+    def join_or_lead(self, digest: str, generation: int) -> tuple[_Flight, bool]:
+        """The lookup of `digest` under way, or a new one begun under `generation`; True: the
+        caller leads it (looks the key up, then `land`s). Requests arriving together with a
+        key not yet cached then wait for one lookup instead of each making its own (60
+        downloads at once made 60 identical queries, each queued for the pool). Other keys
+        never wait for it."""
+        with self._flights_lock:
+            flight = self._flights.get(digest)
+            if flight is not None:
+                return flight, False
+            flight = self._flights[digest] = _Flight(generation)
+            return flight, True
+
+    def land(self, digest: str, flight: _Flight, principal: Principal | None) -> None:
+        """End the lookup `flight` led: `principal`, or None when it failed (each waiting
+        request then looks the key up itself, as it would have without waiting)."""
+        with self._flights_lock:
+            self._flights.pop(digest, None)
+        flight.principal = principal
+        flight.done.set()
 
     def get(self, digest: str) -> _Lookup | None:
         found = self._entries.get(digest)
@@ -192,13 +216,9 @@ class KeyService:
         digest = hash_key(key)
         hit = self._cache.get(digest)
         if hit is None:
-            with self._cache.lookup_lock(digest):
-                hit = self._cache.get(digest)  # another request's lookup, made while this waited
-                if hit is None:
-                    found = self._look_up(key, digest)
-            if hit is None:
-                limiter.check(found.key_id)
-                return found
+            found = self._look_up_once(key, digest, self._generation())
+            limiter.check(found.key_id)
+            return found
         generation: int | None
         if limiter.enabled:  # needs Redis, as without the cache
             generation = limiter.check_and_read(hit.principal.key_id, AUTH_GENERATION)
@@ -206,12 +226,35 @@ class KeyService:
             generation = self._generation()
         if generation == hit.generation:
             return hit.principal
-        return self._look_up(key, digest)  # its request is counted already
+        return self._look_up_once(key, digest, generation)  # its request is counted already
 
-    def _look_up(self, key: str, digest: str) -> Principal:
-        """Postgres's answer, kept only when the generation could be read before it."""
+    def _look_up_once(self, key: str, digest: str, generation: int | None) -> Principal:
+        """`_look_up`, shared by the requests that ask for the same key while it runs.
+        `generation`: AUTH_GENERATION as this request read it. A request shares only a
+        lookup begun under the same generation, so no key was revoked since it began (a
+        revocation commits, then bumps the generation), and only a successful one: after a
+        failure each waiting request tries on its own, as it would have without waiting."""
         assert self._cache is not None
-        generation = self._generation()
+        if generation is None:  # Redis is away: no way to tell what changed
+            return self._look_up(key, digest, None)
+        flight, leader = self._cache.join_or_lead(digest, generation)
+        if not leader:
+            if flight.generation == generation:
+                flight.done.wait()
+                if flight.principal is not None:
+                    return flight.principal
+            return self._look_up(key, digest, generation)
+        found = None
+        try:
+            found = self._look_up(key, digest, generation)
+            return found
+        finally:
+            self._cache.land(digest, flight, found)
+
+    def _look_up(self, key: str, digest: str, generation: int | None) -> Principal:
+        """Postgres's answer, kept only when the generation could be read before it
+        (`generation`, None when it could not)."""
+        assert self._cache is not None
         try:
             found = self.authenticate(key)
         except Unauthorized:

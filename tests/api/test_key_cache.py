@@ -163,6 +163,7 @@ def test_requests_arriving_together_with_a_new_key_make_one_lookup(cached: Servi
     Postgres lookup, not one each, every one of which waits for the pool."""
     import threading
 
+    from app.services.keys import AUTH_GENERATION
     from app.services.limits import RateLimiter
 
     seen: list[str] = []
@@ -171,37 +172,49 @@ def test_requests_arriving_together_with_a_new_key_make_one_lookup(cached: Servi
     class Slow(KeyService):
         def authenticate(self, key: str | None) -> Principal:
             seen.append(key or "")
-            release.wait(5)  # every other request arrives while this lookup runs
+            release.wait(5)  # the other requests arrive while this lookup runs
             return super().authenticate(key)
 
     keys = Slow(cached.db, redis=cached.redis, cache=KeyCache(10.0))
     limiter = RateLimiter(cached.redis, per_minute=0, burst=1)
-    _, key = new_key(cached)
     answers: list[Principal] = []
-    threads = [threading.Thread(target=lambda: answers.append(keys.admit(key, limiter))) for _ in range(20)]
-    for t in threads:
-        t.start()
-    time.sleep(0.3)
-    release.set()
-    for t in threads:
-        t.join(10)
-    assert len(answers) == 20 and len(set(answers)) == 1
-    assert len(seen) == 1
-
-    # An unknown key is never kept: each request behind the lock still gets its own 401.
-    seen.clear()
-    answers.clear()
     failures: list[str] = []
 
-    def unknown() -> None:
+    def admit(key: str) -> None:
         try:
-            keys.admit("llmq-not-a-key", limiter)
+            answers.append(keys.admit(key, limiter))
         except Exception as exc:  # the test collects what each request got
             failures.append(type(exc).__name__)
 
-    threads = [threading.Thread(target=unknown) for _ in range(5)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(10)
+    def burst(key: str, count: int, *, meanwhile: Any = None) -> None:
+        seen.clear()
+        answers.clear()
+        release.clear()
+        threads = [threading.Thread(target=admit, args=(key,)) for _ in range(count)]
+        threads[0].start()
+        time.sleep(0.2)  # the first one leads the lookup
+        if meanwhile is not None:
+            meanwhile()
+        for t in threads[1:]:
+            t.start()
+        time.sleep(0.3)
+        release.set()
+        for t in threads:
+            t.join(10)
+
+    _, key = new_key(cached)
+    burst(key, 20)
+    assert len(answers) == 20 and len(set(answers)) == 1
+    assert len(seen) == 1
+
+    # A key changed while a lookup ran (a revocation commits, then bumps the generation):
+    # requests that read the new generation do not take the older lookup's answer.
+    _, key = new_key(cached)
+    burst(key, 5, meanwhile=lambda: cached.redis.incr(AUTH_GENERATION))
+    assert len(answers) == 5
+    assert len(seen) == 5
+
+    # An unknown key is never kept or shared: each request gets its own 401.
+    burst("llmq-not-a-key", 5)
     assert failures == ["Unauthorized"] * 5
+    assert len(seen) == 5
