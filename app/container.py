@@ -118,7 +118,9 @@ def build_services(settings: Settings, *, s3_client: Callable[[], Any] | None = 
     """`s3_client`: builds the object store's client (tests point it at their own store);
     by default boto3's, configured by the environment."""
     pool = api_pool(settings)
-    db = Database.from_settings(settings, pool, pool_timeout=settings.db_pool_timeout_seconds)
+    db = Database.from_settings(
+        settings, pool, pool_timeout=settings.db_pool_timeout_seconds, serves_requests=True
+    )
     log.info(pool.describe(), extra={"pool": pool.pool, "overflow": pool.overflow, "role": "api"})
     redis = redis_client(settings.require_redis_url())
     liveness = Liveness(redis, marker_ttl_seconds=settings.visibility_timeout_seconds, db=db)

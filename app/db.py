@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -56,36 +57,57 @@ def create_db_engine(
 class Database:
     """Owns the engine and hands out sessions that commit once at the end of a scope."""
 
-    def __init__(self, engine: Engine, *, later_page_slots: int = 1, capacity: int | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        later_page_slots: int = 1,
+        capacity: int | None = None,
+        spare_wait_seconds: float = 0.0,
+    ) -> None:
         """`later_page_slots`: how many connections downloads' later pages may hold at once
-        (`page`); `capacity`: how many the engine's pool may open (pool and overflow), when
-        it is bounded."""
+        (`page`). `capacity`: how many the engine's pool may open (pool and overflow), given
+        where later pages should leave the last free connection to requests (the API), for
+        `spare_wait_seconds` at most."""
         self.engine = engine
         self._sessions = sessionmaker(engine, expire_on_commit=False)
         self._later_pages = threading.BoundedSemaphore(later_page_slots)
         self._capacity = capacity
+        self._spare_wait = spare_wait_seconds
         self._returned = threading.Condition()
         if capacity is not None:
             sqlalchemy.event.listen(engine.pool, "checkin", self._on_checkin)
 
     @classmethod
     def from_url(
-        cls, url: str, pool: PoolSize, *, pool_timeout: float = 30.0, transaction_pooler: bool = False
+        cls,
+        url: str,
+        pool: PoolSize,
+        *,
+        pool_timeout: float = 30.0,
+        transaction_pooler: bool = False,
+        serves_requests: bool = False,
     ) -> Database:
+        """`serves_requests`: an API process's, whose requests go before downloads' later
+        pages (`page`)."""
         return cls(
             create_db_engine(url, pool, pool_timeout=pool_timeout, transaction_pooler=transaction_pooler),
             later_page_slots=max(1, pool.total // 2),
-            capacity=pool.total,
+            capacity=pool.total if serves_requests else None,
+            spare_wait_seconds=pool_timeout,
         )
 
     @classmethod
-    def from_settings(cls, settings: Settings, pool: PoolSize, *, pool_timeout: float = 30.0) -> Database:
+    def from_settings(
+        cls, settings: Settings, pool: PoolSize, *, pool_timeout: float = 30.0, serves_requests: bool = False
+    ) -> Database:
         """The database at LLMQ_DATABASE_URL, behind LLMQ_DATABASE_POOLER if one is set."""
         return cls.from_url(
             settings.require_database_url(),
             pool,
             pool_timeout=pool_timeout,
             transaction_pooler=settings.database_pooler != "none",
+            serves_requests=serves_requests,
         )
 
     @contextmanager
@@ -116,19 +138,25 @@ class Database:
                 yield conn
 
     def _wait_for_spare_connection(self) -> None:
-        """Wait until two or more of the pool's connections are free (one, for a pool of one).
-        A download's later page never takes the last one, and never one that a waiting request was about to
-        get: when requests queue for the pool, none is free, and the pages wait behind them
-        (60 unread downloads at once, on a loaded machine, kept new requests waiting more
-        than the pool timeout while pages came and went)."""
+        """Wait until two or more of the pool's connections are free (one, for a pool of one),
+        for the pool timeout at most; then the page asks the pool like any caller. A
+        download's later page does not take the last free connection, nor one that a waiting
+        request was about to get: while requests queue for the pool none is free, and the
+        pages wait behind them (60 unread downloads at once, on a loaded machine, kept new
+        requests waiting past the pool timeout while pages came and went)."""
         if self._capacity is None:
             return
         pool, spare = self.engine.pool, min(2, self._capacity)
+        until = time.monotonic() + self._spare_wait
         with self._returned:
             while self._capacity - pool.checkedout() < spare:  # type: ignore[attr-defined]
-                # The check-in event comes just before the connection is back in the pool:
-                # wake up to look again soon after, and in any case now and then.
-                self._returned.wait(timeout=0.05)
+                left = until - time.monotonic()
+                if left <= 0:
+                    return
+                # Woken at each check-in. The event comes just before the connection is back
+                # in the pool; under gevent the woken greenlet runs after the returning one
+                # has put it back. The timeout makes sure of a look now and then.
+                self._returned.wait(timeout=min(left, 0.05))
 
     def _on_checkin(self, *_: object) -> None:
         with self._returned:

@@ -4,6 +4,7 @@ Redis, with no worker (jobs stay queued unless a test writes their events itself
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
 import threading
@@ -430,22 +431,24 @@ def test_a_download_request_waits_for_the_pool_once(quick_app: Flask, quick: Ser
 
 
 def test_later_download_pages_never_take_the_last_free_connection(stores: Stores) -> None:
-    """A download's later pages wait while fewer than two connections are free, so a
-    request waiting for the pool is never behind them; a first page or a request does not."""
+    """In an API process a download's later pages wait while fewer than two connections are
+    free, so a request waiting for the pool is never behind them; a first page or a request
+    does not. They wait for the pool timeout at most, then ask the pool like anyone else."""
     from app.connections import PoolSize
     from app.db import Database
 
-    db = Database.from_url(stores.database_url, PoolSize(pool=2, overflow=1), pool_timeout=5)
-    entered = threading.Event()
-
-    def later_page() -> None:
+    def later_page(db: Database, entered: threading.Event) -> None:
         with db.page(first=False) as conn:
             conn.execute(text("SELECT 1"))
             entered.set()
 
+    db = Database.from_url(
+        stores.database_url, PoolSize(pool=2, overflow=1), pool_timeout=5, serves_requests=True
+    )
+    entered = threading.Event()
     try:
         held = [db.engine.connect(), db.engine.connect()]  # one of three left
-        reader = threading.Thread(target=later_page)
+        reader = threading.Thread(target=later_page, args=(db, entered))
         reader.start()
         assert not entered.wait(0.4)
         with db.page(first=True) as conn:  # takes the last one at once
@@ -458,12 +461,29 @@ def test_later_download_pages_never_take_the_last_free_connection(stores: Stores
     finally:
         db.dispose()
 
-    alone = Database.from_url(stores.database_url, PoolSize(pool=1, overflow=0), pool_timeout=5)
-    try:  # a pool of one: its one connection, when free
-        with alone.page(first=False) as conn:
-            assert conn.execute(text("SELECT 1")).scalar() == 1
+    # Never free enough: the page waits the pool timeout, then takes the last connection.
+    db = Database.from_url(
+        stores.database_url, PoolSize(pool=2, overflow=0), pool_timeout=0.5, serves_requests=True
+    )
+    entered = threading.Event()
+    try:
+        with db.engine.connect():
+            started = time.monotonic()
+            later_page(db, entered)
+            assert 0.4 < time.monotonic() - started < 3
     finally:
-        alone.dispose()
+        db.dispose()
+
+    # A worker's database (no requests to make way for) and a pool of one do not wait.
+    for pool, serves in ((PoolSize(pool=2, overflow=0), False), (PoolSize(pool=1, overflow=0), True)):
+        db = Database.from_url(stores.database_url, pool, pool_timeout=5, serves_requests=serves)
+        try:
+            with db.engine.connect() if pool.total > 1 else contextlib.nullcontext():
+                started = time.monotonic()
+                later_page(db, threading.Event())
+                assert time.monotonic() - started < 0.3
+        finally:
+            db.dispose()
 
 
 def test_a_download_page_is_bounded_in_bytes_not_only_lines(
