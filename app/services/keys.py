@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
 import secrets
@@ -73,6 +74,17 @@ class KeyInfo:
     revoked_at: datetime | None
 
 
+def _again(error: Exception | None) -> Exception | None:
+    """A copy of `error` for another request to raise (each gets its own traceback); None
+    when there is none or it cannot be copied."""
+    if error is None:
+        return None
+    try:
+        return copy.copy(error)
+    except Exception:  # noqa: BLE001 - an error that cannot be copied is not shared
+        return None
+
+
 @dataclass
 class _Flight:
     """One key's lookup in Postgres that other requests with the same key wait for."""
@@ -80,6 +92,9 @@ class _Flight:
     generation: int  # AUTH_GENERATION as read before it began
     done: threading.Event = field(default_factory=threading.Event)
     principal: Principal | None = None
+    # Why it failed, when it failed other than with an unknown key (a full pool, Postgres
+    # away): each waiting request fails the same way at once, not after a lookup of its own.
+    error: Exception | None = None
 
 
 @dataclass(frozen=True)
@@ -114,12 +129,14 @@ class KeyCache:
             flight = self._flights[digest] = _Flight(generation)
             return flight, True
 
-    def land(self, digest: str, flight: _Flight, principal: Principal | None) -> None:
-        """End the lookup `flight` led: `principal`, or None when it failed (each waiting
-        request then looks the key up itself, as it would have without waiting)."""
+    def land(
+        self, digest: str, flight: _Flight, principal: Principal | None, error: Exception | None = None
+    ) -> None:
+        """End the lookup `flight` led: `principal`, or None when it failed (`error`: why,
+        when it is to be shared)."""
         with self._flights_lock:
             self._flights.pop(digest, None)
-        flight.principal = principal
+        flight.principal, flight.error = principal, error
         flight.done.set()
 
     def get(self, digest: str) -> _Lookup | None:
@@ -130,6 +147,9 @@ class KeyCache:
         return found
 
     def put(self, digest: str, principal: Principal, generation: int) -> None:
+        kept = self._entries.get(digest)
+        if kept is not None and kept.generation > generation:
+            return  # a lookup begun later already answered
         self._entries.put(digest, _Lookup(principal, generation, time.monotonic() + self.seconds))
 
     def drop(self, digest: str) -> None:
@@ -232,8 +252,9 @@ class KeyService:
         """`_look_up`, shared by the requests that ask for the same key while it runs.
         `generation`: AUTH_GENERATION as this request read it. A request shares only a
         lookup begun under the same generation, so no key was revoked since it began (a
-        revocation commits, then bumps the generation), and only a successful one: after a
-        failure each waiting request tries on its own, as it would have without waiting."""
+        revocation commits, then bumps the generation). An unknown key is not shared (it may
+        have been created since): each waiting request then looks it up itself, as it would
+        have without waiting. Another failure (a full pool) is each waiting request's too."""
         assert self._cache is not None
         if generation is None:  # Redis is away: no way to tell what changed
             return self._look_up(key, digest, None)
@@ -243,13 +264,21 @@ class KeyService:
                 flight.done.wait()
                 if flight.principal is not None:
                     return flight.principal
+                again = _again(flight.error)
+                if again is not None:
+                    raise again
             return self._look_up(key, digest, generation)
-        found = None
+        found, error = None, None
         try:
             found = self._look_up(key, digest, generation)
             return found
+        except Unauthorized:
+            raise
+        except Exception as exc:
+            error = exc
+            raise
         finally:
-            self._cache.land(digest, flight, found)
+            self._cache.land(digest, flight, found, error)
 
     def _look_up(self, key: str, digest: str, generation: int | None) -> Principal:
         """Postgres's answer, kept only when the generation could be read before it

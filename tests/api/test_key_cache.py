@@ -163,16 +163,21 @@ def test_requests_arriving_together_with_a_new_key_make_one_lookup(cached: Servi
     Postgres lookup, not one each, every one of which waits for the pool."""
     import threading
 
+    from sqlalchemy.exc import TimeoutError as PoolTimeout
+
     from app.services.keys import AUTH_GENERATION
     from app.services.limits import RateLimiter
 
     seen: list[str] = []
     release = threading.Event()
+    pool_full = threading.Event()
 
     class Slow(KeyService):
         def authenticate(self, key: str | None) -> Principal:
             seen.append(key or "")
             release.wait(5)  # the other requests arrive while this lookup runs
+            if pool_full.is_set():
+                raise PoolTimeout("QueuePool limit of size 2 overflow 0 reached")
             return super().authenticate(key)
 
     keys = Slow(cached.db, redis=cached.redis, cache=KeyCache(10.0))
@@ -189,6 +194,7 @@ def test_requests_arriving_together_with_a_new_key_make_one_lookup(cached: Servi
     def burst(key: str, count: int, *, meanwhile: Any = None) -> None:
         seen.clear()
         answers.clear()
+        failures.clear()
         release.clear()
         threads = [threading.Thread(target=admit, args=(key,)) for _ in range(count)]
         threads[0].start()
@@ -214,7 +220,16 @@ def test_requests_arriving_together_with_a_new_key_make_one_lookup(cached: Servi
     assert len(answers) == 5
     assert len(seen) == 5
 
-    # An unknown key is never kept or shared: each request gets its own 401.
+    # An unknown key is never kept or shared (it may have been created since the lookup
+    # began): each request looks it up and gets its own 401.
     burst("llmq-not-a-key", 5)
     assert failures == ["Unauthorized"] * 5
     assert len(seen) == 5
+
+    # A full pool is shared: the waiting requests fail with it at once (a 503 each), not
+    # after waiting for the pool themselves.
+    _, key = new_key(cached)
+    pool_full.set()
+    burst(key, 5)
+    assert failures == ["TimeoutError"] * 5
+    assert len(seen) == 1
