@@ -289,7 +289,7 @@ class BatchService:
     # --- read ---------------------------------------------------------------------------
 
     def get(self, principal: Principal, batch_id: str) -> BatchObject:
-        with self._db.session() as s:
+        with self._db.reading() as s:
             batch = load_owned(s, Batch, batch_id, principal.tenant_id)
             counts = s.execute(BATCH_COUNTS, {"batch": batch.id}).all()
             model = s.scalar(select(Job.model).where(Job.batch_id == batch.id).limit(1))
@@ -308,7 +308,7 @@ class BatchService:
         q = select(Batch).where(Batch.tenant_id == principal.tenant_id)
         if metadata:
             q = q.where(*has_metadata(Batch.metadata_, metadata))
-        with self._db.session() as s:
+        with self._db.reading() as s:
             batches, more = newest_first(s, q, Batch.id, after=after, limit=limit)
             page = [b.id for b in batches]
             counts: dict[str, list[Any]] = {i: [] for i in page}

@@ -369,7 +369,7 @@ class FileService:
         )
 
     def get(self, principal: Principal, file_id: str) -> File:
-        with self._db.session() as s:
+        with self._db.reading() as s:
             return load_owned(s, File, file_id, principal.tenant_id)
 
     def list(self, principal: Principal, *, purpose: str | None, after: str | None, limit: int) -> FileList:
@@ -377,7 +377,7 @@ class FileService:
         q = select(File).where(File.tenant_id == principal.tenant_id)
         if purpose:
             q = q.where(File.purpose == purpose)
-        with self._db.session() as s:
+        with self._db.reading() as s:
             rows, more = newest_first(s, q, File.id, after=after, limit=limit)
         data = [to_file_object(f) for f in rows]
         return FileList(data=data, **page_fields(data, more))
@@ -416,7 +416,7 @@ class FileService:
         generated from its batch's job rows. Raises NotFound for another tenant's file."""
         # One connection for the file's row and the first page: under a burst of downloads
         # each request waits for the pool once, not twice.
-        with self._db.session() as s:
+        with self._db.reading() as s:
             f = load_owned(s, File, file_id, principal.tenant_id)
             on = s.connection()
             if f.batch_id is not None and f.batch_part is not None:

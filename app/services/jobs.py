@@ -200,7 +200,7 @@ class JobService:
         """Raises:
         NotFound: no such job for this tenant (another tenant's job included).
         """
-        with self._db.session() as s:
+        with self._db.reading() as s:
             return to_job_object(load_owned(s, Job, job_id, principal.tenant_id, options=JOB_OBJECT_ONLY))
 
     def request_of(self, principal: Principal, job_id: str) -> JobRequestObject:
@@ -209,7 +209,7 @@ class JobService:
         Raises:
             NotFound: no such job for this tenant.
         """
-        with self._db.session() as s:
+        with self._db.reading() as s:
             job = load_owned(s, Job, job_id, principal.tenant_id)
             return JobRequestObject(id=job.id, body=job.request or None)
 
@@ -235,7 +235,7 @@ class JobService:
             q = q.where(Job.batch_id == batch_id)
         if metadata:
             q = q.where(*has_metadata(Job.metadata_, metadata))
-        with self._db.session() as s:
+        with self._db.reading() as s:
             rows, more = newest_first(s, q, Job.id, after=after, limit=limit)
         page = [to_job_object(j) for j in rows]
         return JobList(data=page, **page_fields(page, more))
@@ -283,6 +283,6 @@ class JobService:
         return self.get(principal, job_id)
 
     def _is_terminal(self, job_id: str) -> bool:
-        with self._db.session() as s:
+        with self._db.reading() as s:
             status = s.scalar(select(Job.status).where(Job.id == job_id))
         return status is None or JobStatus(status).terminal

@@ -209,7 +209,7 @@ class KeyService:
                 "missing API key: send 'Authorization: Bearer <key>', "
                 "or HTTP Basic with the key as the user name"
             )
-        with self._db.session() as s:
+        with self._db.reading() as s:
             row = s.execute(_AUTHENTICATE, {"key_hash": hash_key(key)}).first()
         if row is None:
             raise Unauthorized("invalid API key")

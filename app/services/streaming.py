@@ -123,7 +123,7 @@ class StreamService:
     # --- reads -------------------------------------------------------------------------
 
     def _view(self, principal: Principal, job_id: str) -> JobView:
-        with self._db.session() as s:
+        with self._db.reading() as s:
             job = load_owned(s, Job, job_id, principal.tenant_id)
             options = (job.request or {}).get("stream_options") or {}
             return JobView(

@@ -1,0 +1,55 @@
+"""Requests that only read run their statements in autocommit (`Database.reading`): no
+BEGIN and no COMMIT round trip around a poll's one SELECT. The pool's connections go back
+to transactions afterwards, so a write still commits or rolls back as one."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from flask.testing import FlaskClient
+from sqlalchemy import event, text
+
+from app.container import Services
+from tests.helpers import auth
+
+
+@pytest.fixture
+def statements(services: Services) -> Iterator[list[tuple[str, bool]]]:
+    """(statement, whether its connection was in autocommit) of each statement run."""
+    seen: list[tuple[str, bool]] = []
+
+    def before(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        seen.append(
+            (statement.split(maxsplit=1)[0].upper(), bool(conn.connection.dbapi_connection.autocommit))
+        )
+
+    event.listen(services.db.engine, "before_cursor_execute", before)
+    yield seen
+    event.remove(services.db.engine, "before_cursor_execute", before)
+
+
+def test_a_poll_reads_in_autocommit_and_a_write_is_still_one_transaction(
+    client: FlaskClient, services: Services, statements: list[tuple[str, bool]]
+) -> None:
+    key = services.keys.create_key(f"tenant-reads-{secrets.token_hex(3)}")
+    assert client.get("/v2/jobs", headers=auth(key)).status_code == 200  # the key is cached now
+    statements.clear()
+    body = {"model": "api-only", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    job_id = client.post("/v2/jobs", json=body, headers=auth(key)).get_json()["id"]
+    assert statements and not any(autocommit for _, autocommit in statements)  # the submit's transaction
+
+    for path in (f"/v2/jobs/{job_id}", "/v2/jobs", f"/v2/jobs/{job_id}/request"):
+        statements.clear()
+        assert client.get(path, headers=auth(key)).status_code == 200
+        assert statements and all(autocommit for _, autocommit in statements), (path, statements)
+
+    # The same pooled connections, back in transactions: a write that fails leaves nothing.
+    marker = f"tenant-rollback-{secrets.token_hex(3)}"
+    with pytest.raises(RuntimeError), services.db.session() as s:
+        s.execute(text("INSERT INTO tenants (id, name) VALUES (:t, :t)"), {"t": marker})
+        raise RuntimeError("the caller fails after its insert")
+    with services.db.session() as s:
+        assert s.scalar(text("SELECT count(*) FROM tenants WHERE id = :t"), {"t": marker}) == 0
