@@ -136,8 +136,9 @@ class Database:
         downloads' first pages among them, which must find a connection within the pool
         timeout or answer 503 (CI saw 503s when later pages took the whole pool).
         `on`: the first page's connection, already held by the request (it read the file's
-        row on it), so that a download's request checks out one connection, not two."""
-        if on is not None:
+        row on it), so that a download's request checks out one connection, not two; later
+        pages ignore it."""
+        if first and on is not None:
             yield on
             return
         if first:

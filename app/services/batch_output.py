@@ -55,8 +55,7 @@ def line_rows(
             .order_by(Job.line_no)
             .limit(page)
         )
-        first = after == -1
-        with db.page(first=first, on=first_on if first else None) as conn:
+        with db.page(first=after == -1, on=first_on) as conn:
             rows = conn.execute(q).all()
         yield from rows
         if len(rows) < page:

@@ -443,7 +443,7 @@ class FileService:
         while True:
             in_order = (FileLine.file_id == file_id, FileLine.line_no > after)
             first = after == 0
-            with self._db.page(first=first, on=first_on if first else None) as conn:
+            with self._db.page(first=first, on=first_on) as conn:
                 # Sizes first: octet_length reads the stored length, not the (TOASTed) text.
                 sizes = conn.execute(
                     select(FileLine.line_no, func.octet_length(FileLine.raw))
