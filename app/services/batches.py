@@ -38,9 +38,9 @@ from app.schemas.batches import (
     OutputTokensDetails,
     RequestCounts,
 )
+from app.services.batch_counts import BatchCounts
 from app.services.batch_transitions import (
     ACTIVE,
-    BATCH_COUNTS,
     end_lines,
     fail_validating,
     materialize,
@@ -130,6 +130,7 @@ class BatchService:
         self._max_active_lines = max_active_lines_per_tenant
         self._token_budget = batch_token_budget
         self._submitted = submitted
+        self._counts = BatchCounts()
 
     # --- create -------------------------------------------------------------------------
 
@@ -291,7 +292,7 @@ class BatchService:
     def get(self, principal: Principal, batch_id: str) -> BatchObject:
         with self._db.reading() as s:
             batch = load_owned(s, Batch, batch_id, principal.tenant_id)
-            counts = s.execute(BATCH_COUNTS, {"batch": batch.id}).all()
+            counts = self._counts.read(s, batch.id)
             model = s.scalar(select(Job.model).where(Job.batch_id == batch.id).limit(1))
         return to_batch_object(batch, counts, model)
 
