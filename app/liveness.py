@@ -74,6 +74,13 @@ from app.models import Job
 from app.queue import PRIORITY_STEPS, RUN_JOB_TASK, RUN_JOBS_TASK, queue_name
 
 SENT_MARKER = "llmq:sent:{job_id}"
+# Every marker of a chunk, each with its TTL (ARGV[1] seconds).
+_MARK = """
+for _, key in ipairs(KEYS) do
+  redis.call('SET', key, 1, 'EX', ARGV[1])
+end
+return #KEYS
+"""
 # kombu's Redis transport: delivered, unacknowledged messages and their delivery times.
 UNACKED = "unacked"
 UNACKED_INDEX = "unacked_index"
@@ -265,6 +272,7 @@ class Liveness:
         self._redis = redis
         self._marker_ttl = marker_ttl_seconds
         self._db = db
+        self._mark = redis.register_script(_MARK)
 
     # markers
 
@@ -273,10 +281,9 @@ class Liveness:
         if len(job_ids) == 1:
             self._redis.set(SENT_MARKER.format(job_id=job_ids[0]), 1, ex=self._marker_ttl)
             return
-        pipe = self._redis.pipeline(transaction=False)
-        for job_id in job_ids:
-            pipe.set(SENT_MARKER.format(job_id=job_id), 1, ex=self._marker_ttl)
-        pipe.execute()
+        # One command for a chunk's markers: a pipeline of SETs cost the feeder about 35 µs
+        # of Python per line (1.1 ms per 32-line message).
+        self._mark(keys=[SENT_MARKER.format(job_id=j) for j in job_ids], args=[self._marker_ttl])
 
     def spent(self, *job_ids: str) -> None:
         """Drop the markers: the message is spent (its task ended) or found dead. A job

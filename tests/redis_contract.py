@@ -183,6 +183,7 @@ def test_markers_say_which_jobs_have_a_live_message(r: Redis[bytes]) -> None:
     assert [name for name, *_ in celery.sent] == ["llmq.run_job", "llmq.run_jobs"]
     assert liveness.missing_markers(["job_a", "job_b", "job_c", "job_d"]) == ["job_d"]
     assert 0 < r.ttl(SENT_MARKER.format(job_id="job_a")) <= 60
+    assert all(0 < r.ttl(SENT_MARKER.format(job_id=j)) <= 60 for j in ("job_b", "job_c"))
     liveness.spent("job_a", "job_b")
     assert liveness.missing_markers(["job_a", "job_b", "job_c"]) == ["job_a", "job_b"]
 
