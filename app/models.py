@@ -151,6 +151,8 @@ class Job(Base):
             "line_no",
             postgresql_where=text("finished_xid IS NOT NULL"),
         ),
+        # A batch's running lines: counted on every `GET /v1/batches/<id>` (batch_counts.py).
+        Index("ix_jobs_batch_running", "batch_id", postgresql_where=text("status = 'running'")),
         # A tenant's jobs by the time they ended: `/v2/throughput` (app/services/throughput.py).
         Index(
             "ix_jobs_tenant_ended",

@@ -3,20 +3,22 @@ every line on every poll: a client polling a 50,000-line batch every second made
 an aggregate over all its rows (36 ms of Postgres at 10,000 lines), growing with the batch.
 
 Each API process keeps, per batch it was asked about, what is settled: the counts and sums
-of the lines that ended in transactions older than a horizon `h`, the oldest transaction
-still running when they were read (`pg_snapshot_xmin`). Every transaction that commits
-later has an id at or above `h` (it was running then, or started since), and a line that
-ended never changes again, so that part is final. A poll then reads only the lines that
-ended at or above the cached horizon (the index on (batch_id, finished_xid), the same
-horizon argument as the results stream's, app/services/results.py), the running lines
-(bounded by the feeder's window), and moves the horizon on. Queued lines are the rest: a
-batch's rows are all inserted when it leaves `validating` and never deleted while it can
-be read.
+of the lines that ended in transactions below a horizon `h`, read in the same statement:
+the oldest transaction of this database still open then, or the snapshot's xmax if none
+(the results stream's horizon, app/services/results.py, which also argues it). Every
+transaction that commits later has an id at or above `h` (it was open then, or started
+since), and a line that ended never changes again, so that part is final. A poll then
+reads only the lines that ended at or above the kept horizon (the index on (batch_id,
+finished_xid)) and the running lines (ix_jobs_batch_running; the feeder's window bounds
+them), and moves the horizon on. Queued lines are the rest: a batch's rows are all inserted
+when it leaves `validating` and never deleted while it can be read. A horizon that goes
+back, or counts that stop adding up, drop what was kept.
 
 The first read of a batch in a process is the full aggregate, as before."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -26,6 +28,9 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from app.domain.status import JobStatus
+from app.services.horizon import HORIZON_CTES
+
+log = logging.getLogger("llmq.batches")
 
 ENDED = (
     JobStatus.SUCCEEDED.value,
@@ -40,32 +45,33 @@ _SUMS = """
     coalesce(sum((j.usage->>'completion_tokens')::bigint), 0) AS completion,
     coalesce(sum((j.usage->'prompt_tokens_details'->>'cached_tokens')::bigint), 0) AS cached
 """
-# Materialized: read once per statement, not once per row.
-_HORIZON = "WITH h AS MATERIALIZED (SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint AS h)"
 
 # Every line, by status; `settled`: ended below the horizon (or before lines had an xid).
 _ALL = text(
-    _HORIZON  # noqa: S608 - constants
+    "WITH"  # noqa: S608 - constants
+    + HORIZON_CTES
     + """
-    SELECT h.h AS horizon, j.status, (j.finished_xid IS NULL OR j.finished_xid < h.h) AS settled,
+    SELECT horizon.h AS horizon, j.status,
+           (j.finished_xid IS NULL OR j.finished_xid < horizon.h) AS settled,
     """
     + _SUMS
     + """
-    FROM jobs j CROSS JOIN h WHERE j.batch_id = :batch
-    GROUP BY h.h, j.status, settled
+    FROM jobs j CROSS JOIN horizon WHERE j.batch_id = :batch
+    GROUP BY horizon.h, j.status, settled
     """
 )
 
-# The lines that ended at or above `since`, and the running ones; one statement, so one
-# snapshot: what it counts adds up.
+# The lines that ended at or above `since`, and the running ones (ix_jobs_batch_running);
+# one statement, so one snapshot: what it counts adds up.
 _SINCE = text(
-    _HORIZON  # noqa: S608 - constants
+    "WITH"  # noqa: S608 - constants
+    + HORIZON_CTES
     + """
-    SELECT h.h AS horizon, x.status, x.settled, x.n, x.prompt, x.completion, x.cached,
+    SELECT horizon.h AS horizon, x.status, x.settled, x.n, x.prompt, x.completion, x.cached,
            (SELECT count(*) FROM jobs r
             WHERE r.batch_id = :batch AND r.status = 'running') AS running
-    FROM h LEFT JOIN LATERAL (
-      SELECT j.status, j.finished_xid < h.h AS settled,
+    FROM horizon LEFT JOIN LATERAL (
+      SELECT j.status, j.finished_xid < horizon.h AS settled,
     """
     + _SUMS
     + """
@@ -130,9 +136,19 @@ class BatchCounts:
             _add(ended, row)
             if row.settled:
                 _add(settled, row)
-        running = int(rows[0].running)
-        queued = max(known.rows - sum(c.n for c in ended.values()) - running, 0)
-        self._keep(batch_id, _Settled(int(rows[0].horizon), known.rows, settled))
+        horizon, running = int(rows[0].horizon), int(rows[0].running)
+        queued = known.rows - sum(c.n for c in ended.values()) - running
+        if horizon < known.horizon or queued < 0:
+            # Not what this scheme allows (a failover to a standby that lost transactions,
+            # say): what was kept cannot be trusted; count everything again.
+            log.warning(
+                "batch counts kept no longer add up; counted again",
+                extra={"batch_id": batch_id, "horizon": horizon, "kept_horizon": known.horizon},
+            )
+            with self._lock:
+                self._settled.pop(batch_id, None)
+            return self._first(s, batch_id)
+        self._keep(batch_id, _Settled(horizon, known.rows, settled))
         live = [
             Count(JobStatus.QUEUED.value, queued, 0, 0, 0),
             Count(JobStatus.RUNNING.value, running, 0, 0, 0),

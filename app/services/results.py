@@ -67,6 +67,7 @@ from app.errors import InvalidRequest
 from app.models import Batch, Job
 from app.services.batch_output import DOWNLOAD_PAGE_ROWS, output_line
 from app.services.batches import BatchService
+from app.services.horizon import HORIZON_CTES
 from app.services.keys import Principal
 from app.services.ownership import load_owned
 from app.services.sse import DONE, HEARTBEAT, frame, named_frame, revoked
@@ -80,20 +81,9 @@ _NO_LIMIT = 2**63 - 1
 
 # The batch's status and its last releasable line, read with one snapshot (see above).
 _HORIZON = text(
-    """
-    WITH snap AS (SELECT pg_current_snapshot() AS s),
-    here AS (SELECT oid FROM pg_database WHERE datname = current_database()),
-    elsewhere AS (
-      SELECT backend_xid::text::bigint AS x FROM pg_stat_activity
-      WHERE backend_xid IS NOT NULL AND datid IS DISTINCT FROM (SELECT oid FROM here)
-    ),
-    horizon AS (
-      SELECT least(
-        pg_snapshot_xmax(snap.s)::text::bigint,
-        (SELECT min(x::text::bigint) FROM pg_snapshot_xip(snap.s) AS x
-         WHERE x::text::bigint % 4294967296 NOT IN (SELECT e.x FROM elsewhere e))
-      ) AS h FROM snap
-    ),
+    "WITH"  # noqa: S608 - constants
+    + HORIZON_CTES
+    + """,
     b AS (SELECT status FROM batches WHERE id = :batch)
     SELECT b.status, last.finished_xid, last.line_no
     FROM b CROSS JOIN horizon LEFT JOIN LATERAL (
