@@ -28,6 +28,7 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from app.domain.status import JobStatus
+from app.services.batch_transitions import LINE_SUMS
 from app.services.horizon import HORIZON_CTES
 
 log = logging.getLogger("llmq.batches")
@@ -39,13 +40,6 @@ ENDED = (
     JobStatus.EXPIRED.value,
 )
 
-_SUMS = """
-    count(*) AS n,
-    coalesce(sum((j.usage->>'prompt_tokens')::bigint), 0) AS prompt,
-    coalesce(sum((j.usage->>'completion_tokens')::bigint), 0) AS completion,
-    coalesce(sum((j.usage->'prompt_tokens_details'->>'cached_tokens')::bigint), 0) AS cached
-"""
-
 # Every line, by status; `settled`: ended below the horizon (or before lines had an xid).
 _ALL = text(
     "WITH"  # noqa: S608 - constants
@@ -54,7 +48,7 @@ _ALL = text(
     SELECT horizon.h AS horizon, j.status,
            (j.finished_xid IS NULL OR j.finished_xid < horizon.h) AS settled,
     """
-    + _SUMS
+    + LINE_SUMS
     + """
     FROM jobs j CROSS JOIN horizon WHERE j.batch_id = :batch
     GROUP BY horizon.h, j.status, settled
@@ -73,7 +67,7 @@ _SINCE = text(
     FROM horizon LEFT JOIN LATERAL (
       SELECT j.status, j.finished_xid < horizon.h AS settled,
     """
-    + _SUMS
+    + LINE_SUMS
     + """
       FROM jobs j WHERE j.batch_id = :batch AND j.finished_xid >= :since
         AND j.status IN ('succeeded', 'failed', 'cancelled', 'expired')

@@ -51,16 +51,17 @@ _CREATE_JOBS = text(
 # `OFFSET 0` keeps the body's subquery from being inlined: inlined, every `b->...` above
 # would parse the whole line again (half the INSERT's time on 50,000 lines).
 
+# Lines counted with their token sums (n, prompt, completion, cached): every reading of a
+# batch's progress selects these.
+LINE_SUMS = """
+    count(*) AS n,
+    coalesce(sum((usage->>'prompt_tokens')::bigint), 0) AS prompt,
+    coalesce(sum((usage->>'completion_tokens')::bigint), 0) AS completion,
+    coalesce(sum((usage->'prompt_tokens_details'->>'cached_tokens')::bigint), 0) AS cached
+"""
+
 # A batch's progress: its lines by status, with their token sums.
-BATCH_COUNTS = text(
-    """
-    SELECT status, count(*) AS n,
-           coalesce(sum((usage->>'prompt_tokens')::bigint), 0) AS prompt,
-           coalesce(sum((usage->>'completion_tokens')::bigint), 0) AS completion,
-           coalesce(sum((usage->'prompt_tokens_details'->>'cached_tokens')::bigint), 0) AS cached
-    FROM jobs WHERE batch_id = :batch GROUP BY status
-    """
-)
+BATCH_COUNTS = text("SELECT status," + LINE_SUMS + "FROM jobs WHERE batch_id = :batch GROUP BY status")
 
 _UNFINISHED_LINES = text(
     "SELECT count(*) FROM jobs WHERE batch_id = :batch AND status IN ('queued', 'running')"

@@ -41,6 +41,7 @@ from app.schemas.batches import (
 from app.services.batch_counts import BatchCounts
 from app.services.batch_transitions import (
     ACTIVE,
+    LINE_SUMS,
     end_lines,
     fail_validating,
     materialize,
@@ -69,13 +70,9 @@ _OUT_OF_BAND = text(
 
 # BATCH_COUNTS for a page of batches at once, and each batch's model (its first line's).
 BATCH_COUNTS_MANY = text(
-    """
-    SELECT batch_id, status, count(*) AS n,
-           coalesce(sum((usage->>'prompt_tokens')::bigint), 0) AS prompt,
-           coalesce(sum((usage->>'completion_tokens')::bigint), 0) AS completion,
-           coalesce(sum((usage->'prompt_tokens_details'->>'cached_tokens')::bigint), 0) AS cached
-    FROM jobs WHERE batch_id = ANY(:batches) GROUP BY batch_id, status
-    """
+    "SELECT batch_id, status,"
+    + LINE_SUMS
+    + "FROM jobs WHERE batch_id = ANY(:batches) GROUP BY batch_id, status"
 )
 BATCH_MODELS = text(
     "SELECT DISTINCT ON (batch_id) batch_id, model FROM jobs WHERE batch_id = ANY(:batches) "
