@@ -3,7 +3,10 @@ a job's log, so an idle subscriber holds no Redis connection and, under gevent, 
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import select
+import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -36,11 +39,21 @@ class Waiter:
 
 class Notifier:
     """One pub/sub connection for the whole process. Channels are subscribed while someone
-    watches them; a watcher is woken on every append to its job's log."""
+    watches them; a watcher is woken on every append to its job's log.
+
+    The pub/sub thread waits on the connection and on a wake-up socket together, so a new
+    watcher's SUBSCRIBE goes out at once: with a timed poll alone, every stream opened (and
+    every `wait_for_end`) first waited up to the poll period for its subscription, about
+    half of the time a one-stream request added to the engine's first token."""
 
     def __init__(self, redis: Redis[bytes], *, poll_seconds: float = 0.05) -> None:
         self._redis = redis
         self._poll = poll_seconds
+        # Written by `watch` (and `close`), read by the pub/sub thread. Under gevent both are
+        # gevent sockets and `select` yields to other greenlets.
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
         self._lock = threading.Lock()
         self._waiters: dict[str, set[Waiter]] = {}
         self._pending: list[tuple[str, str]] = []  # ("sub" | "unsub", channel)
@@ -54,8 +67,18 @@ class Notifier:
     def close(self, timeout: float = 2.0) -> None:
         """Stop the pub/sub thread (before the Redis client it reads is closed)."""
         self._closing.set()
+        self._wake()
         if self._thread is not None:
             self._thread.join(timeout)
+            if self._thread.is_alive():
+                return
+        self._wake_r.close()
+        self._wake_w.close()
+
+    def _wake(self) -> None:
+        # OSError: wake-ups already fill the buffer (BlockingIOError), or the notifier closed.
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"w")
 
     def _ensure_started(self) -> None:
         with self._lock:
@@ -81,6 +104,8 @@ class Notifier:
             confirmed = self._confirmed.setdefault(channel, threading.Event())
             if first:
                 self._pending.append(("sub", channel))
+        if first:
+            self._wake()
         confirmed.wait(timeout)
         try:
             yield waiter
@@ -108,7 +133,7 @@ class Notifier:
                 self._wake_all()  # whatever happened while disconnected, look again
                 while not self._closing.is_set():
                     self._apply_pending(pubsub)
-                    message = pubsub.get_message(timeout=self._poll)
+                    message = self._next_message(pubsub)
                     if message is not None:
                         self._dispatch(message)
             except RedisError as exc:
@@ -117,6 +142,27 @@ class Notifier:
                 self._closing.wait(0.5)
             finally:
                 pubsub.close()
+
+    def _next_message(self, pubsub: Any) -> dict[str, Any] | None:
+        """A message that is ready now; else wait until the connection has data, a watcher
+        wakes the thread, or the poll period passes, and return what is ready then."""
+        message: dict[str, Any] | None = pubsub.get_message(timeout=0.0)  # parsed data first
+        if message is not None:
+            return message
+        connection = pubsub.connection if pubsub.subscribed else None
+        sock = getattr(connection, "_sock", None)
+        if connection is not None and sock is None:
+            # Not connected (redis-py reconnects inside its own read): its timed read.
+            return pubsub.get_message(timeout=self._poll)  # type: ignore[no-any-return]
+        waiting = [self._wake_r] if sock is None else [self._wake_r, sock]
+        ready, _, _ = select.select(waiting, [], [], self._poll)
+        if self._wake_r in ready:
+            with contextlib.suppress(OSError):  # BlockingIOError once it is empty
+                while self._wake_r.recv(4096):
+                    pass
+        if sock is not None and sock in ready:
+            return pubsub.get_message(timeout=0.0)  # type: ignore[no-any-return]
+        return None
 
     def _apply_pending(self, pubsub: Any) -> None:
         with self._lock:
