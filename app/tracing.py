@@ -88,6 +88,11 @@ def setup(settings: Settings, *, service: str, provider: Any = None) -> Any:
         return provider
 
 
+def enabled() -> bool:
+    """Whether this process traces (`setup` ran with `LLMQ_OTEL` on)."""
+    return _provider is not None
+
+
 def instrument_app(app: Any) -> None:
     """Server spans for each request of the Flask `app` (after `setup`; else nothing)."""
     if _provider is None:

@@ -18,22 +18,11 @@ from redis import Redis
 from app.errors import Conflict, RateLimited
 from app.events import JobEvents, end_event, job_channel, job_stream
 from app.liveness import SENT_MARKER, UNACKED, UNACKED_INDEX, Liveness
-from app.queue import JobQueue
+from app.queue import JobQueue, create_producer
 from app.services.idempotency import IdempotencyKey, IdempotencyLocks
 from app.services.limits import RateLimiter
+from app.settings import Settings
 from worker.leader import LeaseLock
-
-
-class RecordingCelery:
-    """Stands in for the Celery producer: JobQueue's own Redis bookkeeping is under test."""
-
-    def __init__(self) -> None:
-        self.sent: list[tuple[str, list[Any], str, int]] = []
-
-    def send_task(
-        self, name: str, *, args: list[Any], queue: str, priority: int, headers: dict[str, Any] | None = None
-    ) -> None:
-        self.sent.append((name, args, queue, priority))
 
 
 def _unacked_message(task: str, args: list[Any]) -> bytes:
@@ -175,12 +164,16 @@ def test_wait_for_end_wakes_on_the_end_notification(r: Redis[bytes]) -> None:
 
 
 def test_markers_say_which_jobs_have_a_live_message(r: Redis[bytes]) -> None:
-    celery = RecordingCelery()
+    # A real producer's configuration; it never connects (the messages go through `r`).
+    celery = create_producer(Settings(redis_url="redis://127.0.0.1:9/0"))
     liveness = Liveness(r, marker_ttl_seconds=60)
-    queue = JobQueue(celery, liveness)  # type: ignore[arg-type]
+    queue = JobQueue(celery, liveness)
     queue.enqueue("job_a", "m", 0)
     queue.enqueue_chunk(["job_b", "job_c"], "m", 0)
-    assert [name for name, *_ in celery.sent] == ["llmq.run_job", "llmq.run_jobs"]
+    # Each message on its priority list (single jobs 3, batch lines 6), with its markers.
+    lists = ("llmq.m:3", "llmq.m:6")
+    sent = [json.loads(raw)["headers"]["task"] for key in lists for raw in r.lrange(key, 0, -1)]
+    assert sent == ["llmq.run_job", "llmq.run_jobs"]
     assert liveness.missing_markers(["job_a", "job_b", "job_c", "job_d"]) == ["job_d"]
     assert 0 < r.ttl(SENT_MARKER.format(job_id="job_a")) <= 60
     assert all(0 < r.ttl(SENT_MARKER.format(job_id=j)) <= 60 for j in ("job_b", "job_c"))

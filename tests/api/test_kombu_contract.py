@@ -1,11 +1,14 @@
-"""A contract test against real kombu: the sweeper reads kombu's Redis transport layout
-(the `unacked` hash and the `unacked_index` sorted set, app/liveness.py) by hand, so a kombu
-upgrade that changes what a real consumer writes there must break this test, not
-production. Messages are sent by llmq's own producer and taken by a real kombu consumer
-that does not acknowledge them, as a worker holding (or dying with) a job does."""
+"""A contract test against real kombu and Celery: the sweeper reads kombu's Redis transport
+layout (the `unacked` hash and the `unacked_index` sorted set, app/liveness.py) by hand, and
+llmq's producer writes messages in kombu's envelope itself (app/queue.py's `TaskMessages`),
+so a kombu or Celery upgrade that changes either must break this test, not production.
+Messages are sent by llmq's own producer and taken by a real kombu consumer that does not
+acknowledge them, as a worker holding (or dying with) a job does."""
 
 from __future__ import annotations
 
+import base64
+import json
 import secrets
 import time
 from collections.abc import Iterator
@@ -15,9 +18,19 @@ from typing import Any
 import pytest
 from kombu import Consumer, Exchange, Queue
 from redis import Redis
+from redis.exceptions import ResponseError
 
-from app.liveness import UNACKED, UNACKED_INDEX, Liveness
-from app.queue import JobQueue, create_producer, queue_name
+from app.liveness import SENT_MARKER, UNACKED, UNACKED_INDEX, Liveness
+from app.queue import (
+    PRIORITY_STEPS,
+    RUN_JOB_TASK,
+    RUN_JOBS_TASK,
+    JobQueue,
+    TaskMessages,
+    create_producer,
+    queue_name,
+)
+from app.request_ids import MESSAGE_HEADER
 from tests.helpers import Stores, make_settings
 
 
@@ -96,3 +109,94 @@ def test_a_channel_keeps_one_redis_client_until_its_pool_changes(broker: Any) ->
     queue.enqueue("job_reuse", model, 0)
     with take_without_ack(celery, model, 1) as taken:
         assert taken[0].payload[0] == ["job_reuse"]
+
+
+# The fields that differ between two messages by design: fresh ids and delivery tags.
+FRESH = {
+    ("headers", "id"),
+    ("headers", "root_id"),
+    ("properties", "correlation_id"),
+    ("properties", "delivery_tag"),
+}
+
+
+def comparable(raw: bytes | str) -> dict[str, Any]:
+    message = json.loads(raw)
+    message["body"] = json.loads(base64.b64decode(message["body"]))
+    for part, name in FRESH:
+        assert message[part].get(name), (part, name)
+        message[part][name] = "<fresh>"
+    return message
+
+
+def pushed(redis: Redis[bytes], queue: str) -> list[tuple[str, bytes]]:
+    """(list, message) for every message waiting in `queue`'s priority lists."""
+    found = []
+    for step in PRIORITY_STEPS:
+        name = queue if step == 0 else f"{queue}:{step}"
+        found += [(name, raw) for raw in redis.lrange(name, 0, -1)]
+    return found
+
+
+@pytest.mark.parametrize(
+    ("task", "args", "priority", "headers"),
+    [
+        (RUN_JOB_TASK, ["job_a"], 3, {MESSAGE_HEADER: "req_abc"}),
+        (RUN_JOB_TASK, ["job_b"], 0, None),
+        (RUN_JOBS_TASK, [[f"job_{i:026d}" for i in range(64)]], 9, None),  # argsrepr cut short
+        (RUN_JOBS_TASK, [[f"job_{i:026d}" for i in range(8)]], 6, None),
+    ],
+)
+def test_a_message_is_what_celerys_send_task_pushes(
+    broker: tuple[JobQueue, Liveness, Any, Redis[bytes]],
+    task: str,
+    args: list[Any],
+    priority: int,
+    headers: dict[str, str] | None,
+) -> None:
+    """Field by field, on the same list: what `send_task` writes and what llmq writes, but
+    for the ids and the delivery tag each message gets afresh."""
+    _queue, _liveness, celery, redis = broker
+    queue = queue_name(f"contract-{secrets.token_hex(3)}")
+    celery.send_task(task, args=args, queue=queue, priority=priority, headers=headers)
+    ((theirs_list, theirs),) = pushed(redis, queue)
+    redis.delete(theirs_list)
+    messages = TaskMessages(celery)
+    ours = messages.build(task, args, queue=queue, priority=priority, headers=headers)
+    assert messages.priority_list(queue, priority) == theirs_list
+    assert comparable(ours) == comparable(theirs)
+
+
+def test_a_pushed_message_and_its_markers_arrive_together(
+    broker: tuple[JobQueue, Liveness, Any, Redis[bytes]],
+) -> None:
+    """One call: the message on its priority list, each job's marker with its TTL; a real
+    consumer takes the message as Celery's own."""
+    queue, _liveness, celery, redis = broker
+    model = f"push-{secrets.token_hex(3)}"
+    chunk = [f"job_{secrets.token_hex(6)}" for _ in range(3)]
+    queue.enqueue_chunk(chunk, model, 2)  # batch lines: broker priority 8
+    queue.enqueue("job_single_push", model, 0, request_id="req_push")  # 3
+    assert [name for name, _ in pushed(redis, queue_name(model))] == [
+        f"{queue_name(model)}:3",
+        f"{queue_name(model)}:8",
+    ]
+    for job_id in [*chunk, "job_single_push"]:
+        assert 0 < redis.ttl(SENT_MARKER.format(job_id=job_id)) <= 60
+    with take_without_ack(celery, model, 2) as taken:
+        # Priority 3 first, as kombu's priority order takes them.
+        assert [m.payload[0] for m in taken] == [["job_single_push"], [chunk]]
+        assert taken[0].headers[MESSAGE_HEADER] == "req_push"
+        assert taken[0].headers["task"] == RUN_JOB_TASK and taken[1].headers["task"] == RUN_JOBS_TASK
+
+
+def test_a_refused_push_sets_no_marker(broker: tuple[JobQueue, Liveness, Any, Redis[bytes]]) -> None:
+    """The push goes first in the script: when Redis refuses it (here: the list's key holds
+    a string), no marker claims a message that does not exist, and the caller hears of it."""
+    queue, _liveness, _celery, redis = broker
+    model = f"refused-{secrets.token_hex(3)}"
+    redis.set(f"{queue_name(model)}:3", "not a list")
+    with pytest.raises(ResponseError):
+        queue.enqueue("job_refused", model, 0)
+    assert not redis.exists(SENT_MARKER.format(job_id="job_refused"))
+    redis.delete(f"{queue_name(model)}:3")
