@@ -7,7 +7,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import insert, inspect, select, update
+from sqlalchemy import inspect, select, update
 from sqlalchemy.orm import defer
 
 from app.db import Database
@@ -32,8 +32,7 @@ from app.services.parsing import parse_model
 from app.services.quotas import insert_single_job
 from app.services.webhook_outbox import record_jobs
 
-# The jobs table's insert, and each attribute's column name (`metadata_` is `metadata`).
-_INSERT_JOB = insert(Job.metadata.tables[Job.__tablename__])
+# Each attribute's column name (`metadata_` is `metadata`).
 _COLUMN_OF = {attr.key: attr.columns[0].name for attr in inspect(Job).column_attrs}
 
 log = logging.getLogger("llmq.jobs")
@@ -178,12 +177,10 @@ class JobService:
         }
         row = {_COLUMN_OF[k]: v for k, v in values.items()}
         # Counted and inserted in one transaction under the tenant's lock: concurrent submits
-        # cannot all see the last free place (app/services/quotas.py). One Core statement
-        # built once, its values as parameters: the ORM unit of work (about a millisecond per
-        # job) and a statement built per call are both skipped.
-        insert_single_job(
-            self._db, principal.tenant_id, self._max_active, lambda s: s.execute(_INSERT_JOB, row)
-        )
+        # cannot all see the last free place (app/services/quotas.py). One statement built
+        # once, its values as parameters: the ORM unit of work (about a millisecond per job)
+        # and a statement built per call are both skipped.
+        insert_single_job(self._db, principal.tenant_id, self._max_active, row)
         job = Job(**values)
         try:
             self._queue.enqueue(job.id, job.model, job.priority, request_id=job.request_id)

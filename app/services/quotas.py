@@ -16,9 +16,13 @@ transactions each; with `max_connections` at or above the cap, every submit does
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Mapping
+from typing import Any
 
-from sqlalchemy import func, select, text
+from psycopg.types.json import Json
+from sqlalchemy import JSON, bindparam, func, insert, select, text
+from sqlalchemy.dialects.postgresql import psycopg as postgresql_psycopg
 from sqlalchemy.orm import Session
 
 from app.db import Database
@@ -28,49 +32,83 @@ from app.models import Batch, Job
 
 _ACTIVE = (JobStatus.QUEUED.value, JobStatus.RUNNING.value)
 _LOCK = text("SELECT pg_advisory_xact_lock(hashtextextended(:key, 0))")
-_LOCK_SHARED = text("SELECT pg_advisory_xact_lock_shared(hashtextextended(:key, 0))")
 
 
-def lock_tenant(s: Session, tenant_id: str, *, shared: bool = False) -> None:
-    """Serialise this tenant's cap checks until the transaction ends (commit or rollback);
-    `shared`: only against exclusive holders (see the module's docstring)."""
-    s.execute(_LOCK_SHARED if shared else _LOCK, {"key": f"llmq:tenant-cap:{tenant_id}"})
+def lock_tenant(s: Session, tenant_id: str) -> None:
+    """Serialise this tenant's cap checks until the transaction ends (commit or rollback).
+    Submits far from the cap take it shared (`insert_single_job`)."""
+    s.execute(_LOCK, {"key": _lock_key(tenant_id)})
 
 
-class _NearCap(Exception):
-    """Too close to the cap for the shared lock: start again under the exclusive one."""
+def insert_single_job(db: Database, tenant_id: str, cap: int, row: Mapping[str, Any]) -> None:
+    """Insert one single job (`row`: the jobs table's column names and values) in a
+    transaction that keeps the tenant's single jobs queued or running at `cap` at most
+    (0: no cap).
 
-
-def insert_single_job(db: Database, tenant_id: str, cap: int, insert: Callable[[Session], object]) -> None:
-    """Run `insert` (one single job) in a transaction that keeps the tenant's single jobs
-    queued or running at `cap` at most (0: no cap).
+    Far from the cap this is one round trip to Postgres (`Database.at_once`): the shared
+    lock, then an INSERT that counts and inserts in one statement, its snapshot taken once
+    the lock is held, so it sees what the shared path's bound assumes (the module's
+    docstring). It inserts nothing when the tenant is near the cap, and the exclusive path
+    below counts exactly.
 
     Raises:
         RateLimited: the tenant has `cap` single jobs queued or running.
     """
-    if cap:
-        try:
-            with db.session() as s:
-                lock_tenant(s, tenant_id, shared=True)
-                # max_connections as the server has it now (a restart may have raised it).
-                active, bound = s.execute(_ACTIVE_SINGLE, {"tenant_id": tenant_id}).one()
-                if active + bound < cap:
-                    insert(s)
-                    return
-                raise _NearCap
-        except _NearCap:
-            pass
+    params = {name: Json(value) if name in _JSON_COLUMNS else value for name, value in row.items()}
+    columns = tuple(row)
+    if not cap:
+        db.at_once([(_insert_sql(columns, guarded=False), params)])
+        return
+    lock = (_LOCK_SHARED_SQL, {"key": _lock_key(tenant_id)})
+    if db.at_once([lock, (_insert_sql(columns, guarded=True), {**params, _CAP: cap})]) == 1:
+        return
     with db.session() as s:
         check_single_jobs(s, tenant_id, cap)
-        insert(s)
+        s.execute(_INSERT_JOB, dict(row))
 
 
-# Every single-job submit runs this: a constant text statement costs SQLAlchemy no
-# statement building or cache-key walk (the `select()` built per call was about a tenth of
-# a submit's CPU in the API). The tenant's single jobs queued or running, and Postgres's
-# max_connections (the shared path's bound).
+def _lock_key(tenant_id: str) -> str:
+    return f"llmq:tenant-cap:{tenant_id}"
+
+
+_JOBS = Job.metadata.tables[Job.__tablename__]
+_INSERT_JOB = insert(_JOBS)
+_JSON_COLUMNS = frozenset(column.name for column in _JOBS.columns if isinstance(column.type, JSON))
+_CAP = "llmq_cap"
+_LOCK_SHARED_SQL = "SELECT pg_advisory_xact_lock_shared(hashtextextended(%(key)s, 0))"
+
+
+@functools.cache
+def _insert_sql(columns: tuple[str, ...], *, guarded: bool) -> str:
+    """One job row's INSERT in driver SQL, each value `%(column)s` with the cast SQLAlchemy's
+    own INSERT gives it (`::VARCHAR`, never a length that would cut a value short; `::JSON`),
+    so a row reads back the same whichever path wrote it. `guarded`: made only while the
+    tenant's single jobs queued or running plus max_connections (as the server has it now)
+    are fewer than `%(llmq_cap)s`."""
+    dialect = postgresql_psycopg.dialect()  # type: ignore[no-untyped-call]
+    quote = dialect.identifier_preparer.quote
+
+    def value(name: str) -> str:
+        return str(bindparam(name, type_=_JOBS.c[name].type).compile(dialect=dialect))
+
+    sql = f"INSERT INTO {_JOBS.name} ({', '.join(quote(c) for c in columns)})"
+    if not guarded:
+        return f"{sql} VALUES ({', '.join(value(c) for c in columns)})"
+    # Names come from the table's metadata (`_JOBS.c[name]` refuses any other), values are
+    # parameters.
+    active = (
+        f"SELECT count(*) FROM {_JOBS.name} WHERE tenant_id = {value('tenant_id')} "  # noqa: S608
+        "AND batch_id IS NULL AND status IN ('queued', 'running')"
+    )
+    return (
+        f"{sql} SELECT {', '.join(value(c) for c in columns)} "
+        f"WHERE ({active}) + current_setting('max_connections')::int < %({_CAP})s"
+    )
+
+
+# The tenant's single jobs queued or running (the exclusive path's exact count).
 _ACTIVE_SINGLE = text(
-    "SELECT count(*), current_setting('max_connections')::int FROM jobs WHERE tenant_id = :tenant_id "
+    "SELECT count(*) FROM jobs WHERE tenant_id = :tenant_id "
     "AND batch_id IS NULL AND status IN ('queued', 'running')"
 )
 assert _ACTIVE == ("queued", "running")
@@ -78,7 +116,7 @@ assert _ACTIVE == ("queued", "running")
 
 def _unfinished(s: Session, tenant_id: str, *, batch_lines: bool) -> int:
     if not batch_lines:
-        return int(s.execute(_ACTIVE_SINGLE, {"tenant_id": tenant_id}).one()[0])
+        return int(s.execute(_ACTIVE_SINGLE, {"tenant_id": tenant_id}).scalar_one())
     q = (
         select(func.count())
         .select_from(Job)

@@ -1,0 +1,171 @@
+"""A single job's insert (app/services/quotas.py): one pipelined round trip far from the cap
+(`Database.at_once`), the exclusive count near it, SQLAlchemy's statements with tracing on.
+Whichever path writes it, the row reads back the same; a broken connection or a failed
+statement leaves the pool usable. The cap's exactness under concurrency: test_limits.py."""
+
+from __future__ import annotations
+
+import secrets
+import socket
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from typing import Any
+
+import psycopg
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from sqlalchemy import text
+from sqlalchemy.exc import IntegrityError, OperationalError
+
+from app import tracing
+from app.connections import PoolSize
+from app.db import Database
+from app.errors import RateLimited
+from app.ids import new_id
+from app.services.keys import KeyService
+from app.services.quotas import insert_single_job
+from app.settings import Settings
+from tests.helpers import Stores
+
+
+@pytest.fixture
+def db(stores: Stores) -> Iterator[Database]:
+    """A pool of one connection: what a test breaks is what the next insert gets back."""
+    database = Database.from_url(
+        stores.database_url, PoolSize(pool=1, overflow=0), transaction_pooler=stores.pooler != "none"
+    )
+    yield database
+    database.dispose()
+
+
+@pytest.fixture
+def tenant(db: Database) -> str:
+    keys = KeyService(db)
+    return keys.ensure_tenant(f"tenant-insert-{secrets.token_hex(3)}")
+
+
+def row(tenant_id: str, **values: Any) -> dict[str, Any]:
+    now = datetime.now(UTC)
+    return {
+        "id": new_id("job"),
+        "tenant_id": tenant_id,
+        "kind": "chat",
+        "status": "queued",
+        "priority": 3,
+        "model": "api-only",
+        "request": {"model": "api-only", "messages": [{"role": "user", "content": "héllo \u2028 there"}]},
+        "metadata": None,
+        "attempts": 0,
+        "epoch": 0,
+        "created_at": now,
+        "enqueued_at": now,
+        "idempotency_key": None,
+        "request_hash": None,
+        "request_id": "req-1",
+        **values,
+    }
+
+
+def stored(db: Database, job_id: str) -> dict[str, Any]:
+    """The row as Postgres has it, every column, its id left out."""
+    with db.reading() as s:
+        found = s.execute(
+            text("SELECT to_jsonb(j) - 'id' FROM jobs j WHERE id = :id"), {"id": job_id}
+        ).scalar_one()
+    assert isinstance(found, dict)
+    return found
+
+
+def active(db: Database, tenant_id: str) -> int:
+    with db.reading() as s:
+        return int(s.scalar(text("SELECT count(*) FROM jobs WHERE tenant_id = :t"), {"t": tenant_id}) or 0)
+
+
+def max_connections(db: Database) -> int:
+    with db.reading() as s:
+        return int(s.scalar(text("SELECT current_setting('max_connections')::int")) or 0)
+
+
+@pytest.mark.parametrize("metadata", [None, {"team": "search", "n": "1"}])
+def test_every_path_stores_the_same_row(db: Database, tenant: str, metadata: dict[str, str] | None) -> None:
+    """Far from the cap (one round trip), near it (exclusive lock, SQLAlchemy's INSERT) and
+    with no cap: the same values give the same stored row, JSON `null` for no metadata
+    included (as SQLAlchemy writes a JSON column's None)."""
+    near = max_connections(db)  # fewer places left than max_connections: the exclusive path
+    same = row(tenant, metadata=metadata)
+    far, close, uncapped = ({**same, "id": new_id("job")} for _ in range(3))
+    insert_single_job(db, tenant, 10**6, far)
+    insert_single_job(db, tenant, near, close)
+    insert_single_job(db, tenant, 0, uncapped)
+    rows = [stored(db, r["id"]) for r in (far, close, uncapped)]
+    assert rows[0] == rows[1] == rows[2]
+    assert rows[0]["metadata"] == metadata and rows[0]["priority"] == 3
+    assert rows[0]["request"]["messages"][0]["content"] == "héllo \u2028 there"
+
+
+def test_the_cap_holds_on_both_paths(db: Database, tenant: str) -> None:
+    near = max_connections(db) + 2  # two places on the shared path, then exact counts
+    for _ in range(near):
+        insert_single_job(db, tenant, near, row(tenant))
+    with pytest.raises(RateLimited):
+        insert_single_job(db, tenant, near, row(tenant))
+    assert active(db, tenant) == near
+
+
+def test_a_value_too_long_is_refused_not_cut_short(db: Database, tenant: str) -> None:
+    """The casts carry no length: Postgres refuses a 300-character model name for a
+    VARCHAR(256) column where an explicit `::VARCHAR(256)` would silently cut it."""
+    with pytest.raises(Exception, match="too long"):
+        insert_single_job(db, tenant, 10**6, row(tenant, model="m" * 300))
+    assert active(db, tenant) == 0
+
+
+def test_a_broken_connection_is_dropped_and_the_next_insert_gets_a_new_one(db: Database, tenant: str) -> None:
+    insert_single_job(db, tenant, 10**6, row(tenant))  # the pool's one connection, opened
+    pooled = db.engine.raw_connection()
+    raw = pooled.driver_connection
+    assert isinstance(raw, psycopg.Connection)
+    with socket.fromfd(raw.fileno(), socket.AF_INET, socket.SOCK_STREAM) as borrowed:
+        borrowed.shutdown(socket.SHUT_RDWR)  # as a restart or a network cut leaves it
+    pooled.close()
+    with pytest.raises(OperationalError) as failed:
+        insert_single_job(db, tenant, 10**6, row(tenant))
+    assert failed.value.connection_invalidated
+    insert_single_job(db, tenant, 10**6, row(tenant))
+    assert active(db, tenant) == 2
+
+
+def test_a_failed_statement_rolls_back_and_leaves_the_connection_usable(db: Database, tenant: str) -> None:
+    """An unknown tenant fails the foreign key inside the pipeline: SQLAlchemy's error, no
+    row, and the same (only) connection serves the next insert, the lock released."""
+    with pytest.raises(IntegrityError):
+        insert_single_job(db, "no-such-tenant", 10**6, row("no-such-tenant"))
+    insert_single_job(db, tenant, 10**6, row(tenant))
+    insert_single_job(db, tenant, max_connections(db), row(tenant))  # the exclusive lock is free
+    assert active(db, tenant) == 2
+
+
+def test_with_tracing_on_each_statement_has_its_span(stores: Stores, db: Database, tenant: str) -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    assert tracing.setup(Settings(otel=True), service="llmq-test", provider=provider) is provider
+    try:
+        # Instrumented engines are the ones created from here on, as in a traced process.
+        traced = Database.from_url(
+            stores.database_url, PoolSize(pool=1, overflow=0), transaction_pooler=stores.pooler != "none"
+        )
+        try:
+            job = row(tenant)
+            insert_single_job(traced, tenant, 10**6, job)
+        finally:
+            traced.dispose()
+    finally:
+        tracing.teardown()
+        provider.shutdown()
+    statements = [str(span.attributes.get("db.statement", "")) for span in exporter.get_finished_spans()]
+    assert any(s.startswith("SELECT pg_advisory_xact_lock_shared") for s in statements), statements
+    assert any(s.startswith("INSERT INTO jobs") for s in statements), statements
+    assert stored(db, job["id"])["tenant_id"] == tenant
