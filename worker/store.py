@@ -180,7 +180,7 @@ class JobStore:
             "max_attempts": max_attempts,
             "max_request": max_request_bytes,
         }
-        with self._db.session() as s:
+        with self._db.one_statement() as s:
             rows = s.execute(_CLAIM, params).all()
         by_id = {r.id: Claim(r.id, *r[1:]) for r in rows}
         return [by_id[j] for j in job_ids if j in by_id]
@@ -211,8 +211,8 @@ class JobStore:
             }
             for r in results
         ]
-        with self._db.session() as s:
-            params = {"rows": json.dumps(rows, separators=(",", ":")), "ids": [r.job_id for r in results]}
+        params = {"rows": json.dumps(rows, separators=(",", ":")), "ids": [r.job_id for r in results]}
+        with self._db.one_statement() as s:
             return {row.id for row in s.execute(_FINISH, params)}
 
     def extend_leases(self, owner: str, lease_seconds: float) -> dict[str, tuple[int, bool]]:
