@@ -20,6 +20,10 @@ from app.services.feeds import JobFeed
 
 log = logging.getLogger("llmq.stream")
 
+# How long a message that has begun to arrive may take to arrive whole (a read returns as
+# soon as it has; only a message cut off mid-way by a slow or dying connection waits).
+_REST_OF_MESSAGE_SECONDS = 5.0
+
 
 class Waiter:
     def __init__(self, feed: JobFeed) -> None:
@@ -145,15 +149,21 @@ class Notifier:
 
     def _next_message(self, pubsub: Any) -> dict[str, Any] | None:
         """A message that is ready now; else wait until the connection has data, a watcher
-        wakes the thread, or the poll period passes, and return what is ready then."""
-        message: dict[str, Any] | None = pubsub.get_message(timeout=0.0)  # parsed data first
-        if message is not None:
-            return message
+        wakes the thread, or the poll period passes, and return what is ready then.
+
+        Never a read with no timeout: redis-py's read of a message that has only partly
+        arrived (an event's JSON of a few hundred kB, split across segments) raises a
+        timeout, and the pub/sub retry would drop the connection, and with it that message
+        and whatever is published while it reconnects. `can_read` (the parser's buffer, then
+        the socket) decides; the read that follows returns as soon as a whole message is
+        there, and gives the rest of one that has begun `_REST_OF_MESSAGE_SECONDS`."""
         connection = pubsub.connection if pubsub.subscribed else None
         sock = getattr(connection, "_sock", None)
         if connection is not None and sock is None:
             # Not connected (redis-py reconnects inside its own read): its timed read.
             return pubsub.get_message(timeout=self._poll)  # type: ignore[no-any-return]
+        if connection is not None and connection.can_read(timeout=0):  # parsed data first
+            return pubsub.get_message(timeout=_REST_OF_MESSAGE_SECONDS)  # type: ignore[no-any-return]
         waiting = [self._wake_r] if sock is None else [self._wake_r, sock]
         ready, _, _ = select.select(waiting, [], [], self._poll)
         if self._wake_r in ready:
@@ -161,7 +171,7 @@ class Notifier:
                 while self._wake_r.recv(4096):
                     pass
         if sock is not None and sock in ready:
-            return pubsub.get_message(timeout=0.0)  # type: ignore[no-any-return]
+            return pubsub.get_message(timeout=_REST_OF_MESSAGE_SECONDS)  # type: ignore[no-any-return]
         return None
 
     def _apply_pending(self, pubsub: Any) -> None:

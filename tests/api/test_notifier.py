@@ -4,9 +4,13 @@ their watchers."""
 
 from __future__ import annotations
 
+import contextlib
 import secrets
+import socket
+import threading
 import time
 from collections.abc import Iterator
+from urllib.parse import urlsplit
 
 import pytest
 import redis
@@ -60,6 +64,67 @@ def test_a_watcher_is_woken_by_its_jobs_events_and_by_no_other(
         assert waiter.wait(POLL_SECONDS + 1)
         assert time.monotonic() - started < 0.5
         assert waiter.ended
+
+
+class HalvingProxy:
+    """A TCP relay to Redis that hands each of the server's writes to the client in two
+    halves, 0.2 s apart (four polls of the notifier's): every message arrives partly first,
+    as a large one does across a network."""
+
+    def __init__(self, redis_url: str) -> None:
+        target = urlsplit(redis_url)
+        self._target = (target.hostname or "127.0.0.1", target.port or 6379)
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"redis://127.0.0.1:{self._listener.getsockname()[1]}{target.path}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                client, _ = self._listener.accept()
+                server = socket.create_connection(self._target)
+                threading.Thread(target=self._relay, args=(client, server, False), daemon=True).start()
+                threading.Thread(target=self._relay, args=(server, client, True), daemon=True).start()
+
+    @staticmethod
+    def _relay(src: socket.socket, dst: socket.socket, halve: bool) -> None:
+        with contextlib.suppress(OSError), src, dst:
+            while data := src.recv(65536):
+                if halve and len(data) > 1:
+                    dst.sendall(data[: len(data) // 2])
+                    time.sleep(0.2)
+                    data = data[len(data) // 2 :]
+                dst.sendall(data)
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+def test_messages_that_arrive_in_parts_are_read_whole_without_a_reconnect(stores: Stores) -> None:
+    """A read that gave up on a message half there made the pub/sub thread drop its
+    connection, and with it that message and those published while it reconnected (seen
+    with notifications carrying events of a megabyte): here every message comes in halves,
+    and each is read whole, the last one ending the watch."""
+    proxy = HalvingProxy(stores.redis_url)
+    subscriber: redis.Redis[bytes] = redis.Redis.from_url(proxy.url)
+    publisher: redis.Redis[bytes] = redis.Redis.from_url(stores.redis_url)
+    n = Notifier(subscriber)  # the default poll, as the API runs it
+    mine = job()
+    try:
+        with n.watch(mine, timeout=5) as waiter:
+            while waiter.wait(0.5):  # the first connection wakes every watcher once
+                pass
+            for seq in range(1, 6):
+                publisher.publish(job_channel(mine), notification(f"1-{seq}", final=seq == 5))
+            deadline = time.monotonic() + 20
+            while not waiter.ended and time.monotonic() < deadline:
+                waiter.wait(1)
+            assert waiter.ended
+    finally:
+        n.close(timeout=10)
+        subscriber.close()
+        publisher.close()
+        proxy.close()
 
 
 def test_close_stops_the_thread_without_waiting_out_the_poll(stores: Stores) -> None:
