@@ -137,8 +137,8 @@ class Database:
         one by one, so that each has its span.
 
         Raises:
-            sqlalchemy.exc.DBAPIError: as SQLAlchemy's own execute would (a broken
-                connection is invalidated, not put back in the pool).
+            sqlalchemy.exc.DBAPIError: as SQLAlchemy's own execute would (on a broken
+                connection the pool's connections are invalidated, as SQLAlchemy does).
         """
         if tracing.enabled():
             rowcount = -1
@@ -159,7 +159,10 @@ class Database:
             return cursors[-1].rowcount
         except psycopg.Error as exc:
             if conn.broken or conn.closed:
-                fairy.invalidate(exc)
+                # As SQLAlchemy's execute does on a disconnect: this connection is dropped,
+                # and every other opened before it is replaced at its next checkout (after
+                # a Postgres restart they are all dead; each would fail a request first).
+                self.engine.pool._invalidate(fairy, exc)
             # The pool rolls back whatever is left of the transaction when `fairy` returns.
             raise DBAPIError.instance(
                 sql,

@@ -122,19 +122,32 @@ def test_a_value_too_long_is_refused_not_cut_short(db: Database, tenant: str) ->
     assert active(db, tenant) == 0
 
 
-def test_a_broken_connection_is_dropped_and_the_next_insert_gets_a_new_one(db: Database, tenant: str) -> None:
-    insert_single_job(db, tenant, 10**6, row(tenant))  # the pool's one connection, opened
-    pooled = db.engine.raw_connection()
-    raw = pooled.driver_connection
-    assert isinstance(raw, psycopg.Connection)
-    with socket.fromfd(raw.fileno(), socket.AF_INET, socket.SOCK_STREAM) as borrowed:
-        borrowed.shutdown(socket.SHUT_RDWR)  # as a restart or a network cut leaves it
-    pooled.close()
-    with pytest.raises(OperationalError) as failed:
+def test_after_a_broken_connection_the_next_insert_gets_a_live_one(stores: Stores, tenant: str) -> None:
+    """Both pooled connections die (as a Postgres restart leaves them): the first insert
+    fails, and the pool replaces the other one too, as SQLAlchemy's own execute would have
+    it, so the next insert does not fail on it."""
+    db = Database.from_url(
+        stores.database_url, PoolSize(pool=2, overflow=0), transaction_pooler=stores.pooler != "none"
+    )
+    try:
+        held = [db.engine.raw_connection() for _ in range(2)]
+        for pooled in held:
+            raw = pooled.driver_connection
+            assert isinstance(raw, psycopg.Connection)
+            raw.execute("SELECT 1")
+            raw.rollback()
+            with socket.fromfd(raw.fileno(), socket.AF_INET, socket.SOCK_STREAM) as borrowed:
+                borrowed.shutdown(socket.SHUT_RDWR)  # as a restart or a network cut leaves it
+        for pooled in held:
+            pooled.close()
+        with pytest.raises(OperationalError) as failed:
+            insert_single_job(db, tenant, 10**6, row(tenant))
+        assert failed.value.connection_invalidated
         insert_single_job(db, tenant, 10**6, row(tenant))
-    assert failed.value.connection_invalidated
-    insert_single_job(db, tenant, 10**6, row(tenant))
-    assert active(db, tenant) == 2
+        insert_single_job(db, tenant, 10**6, row(tenant))
+        assert active(db, tenant) == 2
+    finally:
+        db.dispose()
 
 
 def test_a_failed_statement_rolls_back_and_leaves_the_connection_usable(db: Database, tenant: str) -> None:
@@ -145,6 +158,24 @@ def test_a_failed_statement_rolls_back_and_leaves_the_connection_usable(db: Data
     insert_single_job(db, tenant, 10**6, row(tenant))
     insert_single_job(db, tenant, max_connections(db), row(tenant))  # the exclusive lock is free
     assert active(db, tenant) == 2
+
+
+def test_the_statements_are_one_transaction_after_a_read_in_autocommit(db: Database) -> None:
+    """The pool's one connection was just lent in autocommit (a poll's read): the pipelined
+    statements still run as one transaction, so a failure in the second undoes the first
+    (and a lock taken by the first would hold for the second)."""
+    with db.reading() as s:
+        assert s.scalar(text("SELECT 1")) == 1
+    name = f"tenant-atomic-{secrets.token_hex(3)}"
+    with pytest.raises(IntegrityError):
+        db.at_once(
+            [
+                ("INSERT INTO tenants (id, name) VALUES (%(t)s, %(t)s)", {"t": name}),
+                ("INSERT INTO tenants (id, name) VALUES (%(t)s, %(t)s)", {"t": name}),
+            ]
+        )
+    with db.reading() as s:
+        assert s.scalar(text("SELECT count(*) FROM tenants WHERE id = :t"), {"t": name}) == 0
 
 
 def test_with_tracing_on_each_statement_has_its_span(stores: Stores, db: Database, tenant: str) -> None:
