@@ -21,6 +21,7 @@ the publisher writes the whole history again once it reconnects.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import queue
@@ -30,7 +31,7 @@ from typing import Any
 
 from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from app.completions import ChunkHeader
@@ -84,7 +85,7 @@ class StreamPublisher:
         self._history: dict[str, list[dict[str, Any]]] = {}
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="llmq-stream-publisher", daemon=True)
-        self._append = redis.register_script(_APPEND)
+        self._append_sha = hashlib.sha1(_APPEND.encode()).hexdigest()  # noqa: S324 - Redis's script id
         self.published = 0
 
     def open(self, job_id: str, epoch: int, header: ChunkHeader, *, n: int = 1) -> JobStream:
@@ -159,28 +160,14 @@ class StreamPublisher:
                 delay = min(delay * 2, 5.0)
 
     def _ship(self, batch: list[tuple[str, dict[str, Any], bool]]) -> None:
-        pipe = self._redis.pipeline(transaction=False)
-        appended: list[tuple[str, bool]] = []
-        for job_id, event, final in batch:
-            key = job_stream(job_id)
-            if event.get("reset"):
-                pipe.delete(key)
-                continue
-            first = event["id"].endswith("-1")
-            self._append(
-                keys=[key, job_channel(job_id)],
-                args=[
-                    event["id"],
-                    json.dumps(event),
-                    self._max_len,
-                    "0" if first else "1",
-                    notification(event["id"], final=final),
-                    self._expire if final else 0,
-                ],
-                client=pipe,
-            )
-            appended.append((job_id, final))
-        results = pipe.execute(raise_on_error=False)
+        appended = [(job_id, final) for job_id, event, final in batch if not event.get("reset")]
+        results = self._send(batch)
+        if any(isinstance(r, NoScriptError) for r in results):
+            # Redis lost its scripts (a restart, SCRIPT FLUSH): load it and send the batch
+            # again. A reset runs again before its appends; an append that did run (a flush
+            # between two of them) is refused as stale and dropped below.
+            self._redis.execute_command("SCRIPT", "LOAD", _APPEND)
+            results = self._send(batch)
         outcomes = [r for (_, event, _), r in zip(batch, results, strict=True) if not event.get("reset")]
         lost: set[str] = set()
         for (job_id, final), result in zip(appended, outcomes, strict=True):
@@ -206,6 +193,31 @@ class StreamPublisher:
                 with self._lock:
                     self._history.pop(job_id, None)
                     self._unheard.discard(job_id)
+
+    def _send(self, batch: list[tuple[str, dict[str, Any], bool]]) -> list[Any]:
+        """The batch's commands in one pipelined round trip; their results, errors included.
+        The append goes as a plain EVALSHA: a registered script queued in a pipeline makes
+        redis-py ask SCRIPT EXISTS first, a second round trip for every flush."""
+        pipe = self._redis.pipeline(transaction=False)
+        for job_id, event, final in batch:
+            key = job_stream(job_id)
+            if event.get("reset"):
+                pipe.delete(key)
+                continue
+            first = event["id"].endswith("-1")
+            pipe.evalsha(
+                self._append_sha,
+                2,
+                key,
+                job_channel(job_id),
+                event["id"],
+                json.dumps(event),
+                self._max_len,
+                "0" if first else "1",
+                notification(event["id"], final=final),
+                self._expire if final else 0,
+            )
+        return pipe.execute(raise_on_error=False)
 
     def _restore(self, job_ids: set[str]) -> None:
         """The stream was gone when its next event came (Redis restarted without its data):

@@ -136,3 +136,42 @@ def test_an_announcement_carries_its_event_as_the_log_holds_it(
     ]
     assert [is_end_notification(m) for m in messages] == [False, True]
     assert carried_event(b"1-3 end") is None  # an end written from outside: the id alone
+
+
+def _script_exists_calls(r: redis.Redis) -> int:
+    return int(r.info("commandstats").get("cmdstat_script|exists", {}).get("calls", 0))
+
+
+def test_a_flush_is_one_round_trip_without_asking_redis_for_its_script(
+    publisher: StreamPublisher, stores: Stores
+) -> None:
+    """The append goes as EVALSHA: a registered script queued in a redis-py pipeline would
+    send SCRIPT EXISTS before every flush, a second round trip each time."""
+    r = redis.Redis.from_url(stores.redis_url)
+    job_id = f"job_{secrets.token_hex(4)}"
+    publisher.open(job_id, 1, {"id": "chatcmpl-x", "created": 0, "model": "m"})  # type: ignore[arg-type]
+    ship(publisher, job_id, 1)  # the script is loaded by now
+    before = _script_exists_calls(r)
+    for seq in range(2, 12):
+        ship(publisher, job_id, seq)
+    assert _script_exists_calls(r) == before
+    assert len(r.xrange(job_stream(job_id))) == 11
+
+
+def test_events_ship_after_redis_drops_its_scripts(publisher: StreamPublisher, stores: Stores) -> None:
+    """SCRIPT FLUSH (or a restart that kept the data): the next flush loads the script again
+    and every event lands once, announced."""
+    r = redis.Redis.from_url(stores.redis_url)
+    job_id = f"job_{secrets.token_hex(4)}"
+    publisher.open(job_id, 1, {"id": "chatcmpl-x", "created": 0, "model": "m"})  # type: ignore[arg-type]
+    ship(publisher, job_id, 1)
+    r.script_flush()
+    sub = r.pubsub(ignore_subscribe_messages=True)
+    sub.subscribe(job_channel(job_id))
+    try:
+        ship(publisher, job_id, 2)
+        assert heard(sub), "the announcement did not reach the subscriber"
+    finally:
+        sub.close()
+    ship(publisher, job_id, 3, final=True)
+    assert [eid.decode() for eid, _ in r.xrange(job_stream(job_id))] == ["1-1", "1-2", "1-3"]
