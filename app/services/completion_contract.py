@@ -16,10 +16,12 @@ from app.errors import InvalidRequest, LlmqError, Unsupported
 from app.schemas.text_completion import CompletionRequest
 from app.services.contract import (
     ConstraintChecker,
+    CounterMemo,
     ModelCatalog,
     check_logit_bias,
     check_output,
     check_token_ids,
+    model_and_counter,
     model_not_found,
 )
 from app.services.models import ServedModel
@@ -151,12 +153,11 @@ class CompletionPolicy:
         if count is not None:
             completion_budget(req, count(req), model.max_model_len)
 
-    def budget_tokens(self, req: CompletionRequest) -> int:
+    def budget_tokens(self, req: CompletionRequest, memo: CounterMemo | None = None) -> int:
         """A batch line's figure against the batch token budget (app/domain/budget.py's
         `line_tokens`): the model's own prompt count when this API has its tokenizer, else
-        the estimate."""
-        model = self._models.get(req.model)
-        count = self._models.prompt_counter(model) if model is not None else None
+        the estimate. `memo`: one upload's lookups (`model_and_counter`)."""
+        model, count = model_and_counter(self._models, req.model, memo)
         prompt: int | None = None
         if count is not None:
             try:

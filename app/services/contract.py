@@ -181,6 +181,25 @@ class ModelCatalog(Protocol):
     def prompt_counter(self, model: ServedModel) -> PromptCounter | None: ...
 
 
+# Per upload: a model name's model and prompt counter, looked up once for all its lines.
+CounterMemo = dict[str, tuple[ServedModel | None, PromptCounter | None]]
+
+
+def model_and_counter(
+    models: ModelCatalog, name: str, memo: CounterMemo | None
+) -> tuple[ServedModel | None, PromptCounter | None]:
+    """The model named `name` and its prompt counter (None where not reachable from here);
+    with `memo`, the first answer for a name stands for the rest of the upload (looked up
+    per line, with the tokenizer cache's lock, it was a fifth of a line's check)."""
+    if memo is not None and (known := memo.get(name)) is not None:
+        return known
+    model = models.get(name)
+    found = (model, models.prompt_counter(model) if model is not None else None)
+    if memo is not None:
+        memo[name] = found
+    return found
+
+
 class ConstraintChecker(Protocol):
     """Compiles a constraint where a crash costs nothing (`app.services.sandbox`)."""
 
@@ -346,12 +365,12 @@ class RequestPolicy:
                     param=f"{param}.type",
                 )
 
-    def budget_tokens(self, req: ChatCompletionV2Request) -> int:
+    def budget_tokens(self, req: ChatCompletionV2Request, memo: CounterMemo | None = None) -> int:
         """A batch line's figure against the batch token budget (app/domain/budget.py's
         `line_tokens`), with the model's own prompt count when this API has its tokenizer
-        and the line brings no template of its own, else the estimate."""
-        model = self._models.get(req.model)
-        count = self._models.prompt_counter(model) if model is not None else None
+        and the line brings no template of its own, else the estimate. `memo`: one upload's
+        lookups (`model_and_counter`)."""
+        model, count = model_and_counter(self._models, req.model, memo)
         prompt: int | None = None
         if count is not None and req.chat_template is None:
             try:

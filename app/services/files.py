@@ -37,7 +37,7 @@ from app.schemas.batches import (
 )
 from app.services.batch_output import DOWNLOAD_PAGE_ROWS, output_lines
 from app.services.completion_contract import CompletionPolicy
-from app.services.contract import RequestPolicy
+from app.services.contract import CounterMemo, RequestPolicy
 from app.services.keys import Principal
 from app.services.ownership import load_owned
 from app.services.pagination import check_limit, newest_first, page_fields
@@ -124,6 +124,7 @@ class LineChecker:
         self._completion_policy = completion_policy
         self._max_depth = max_depth
         self._seen: set[str] = set()
+        self._counters: CounterMemo = {}
         self.endpoints: set[str] = set()
 
     def check(self, number: int, raw: bytes) -> tuple[str, str, int]:
@@ -173,10 +174,10 @@ class LineChecker:
             if isinstance(line, TextBatchInputLine):
                 assert self._completion_policy is not None  # _line_model picks it only then
                 self._completion_policy.check(line.body, count_tokens=False)
-                tokens = self._completion_policy.budget_tokens(line.body)
+                tokens = self._completion_policy.budget_tokens(line.body, self._counters)
             else:
                 self._policy.check(line.body, count_tokens=False)
-                tokens = self._policy.budget_tokens(line.body)
+                tokens = self._policy.budget_tokens(line.body, self._counters)
         except LlmqError as exc:
             raise InvalidRequest(
                 exc.message, param=f"body.{exc.param}" if exc.param else "body", code=exc.code

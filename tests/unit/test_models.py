@@ -125,6 +125,25 @@ def test_the_api_and_the_worker_refuse_a_long_prompt_with_the_same_error() -> No
     assert api.value.body() == in_worker.value.body()
 
 
+def test_an_uploads_lines_look_their_model_and_tokenizer_up_once() -> None:
+    """The lines of one upload share a memo: the model and its prompt counter are looked up
+    once per model name, and every line is still counted with the model's own tokenizer."""
+    lookups: list[str] = []
+
+    def counter(model: ServedModel) -> Callable[[Any], int]:
+        lookups.append(model.name)
+        return lambda r: 7
+
+    registry = ModelRegistry(lambda: [worker("a", max_model_len=100), worker("b")], counters=counter)
+    policy = RequestPolicy(Settings(), registry)
+    memo: dict[str, Any] = {}
+    budgets = [policy.budget_tokens(req(m, max_tokens=3), memo) for m in ("a", "a", "b", "a", "b")]
+    assert budgets == [10] * 5
+    assert lookups == ["a", "b"]
+    policy.budget_tokens(req("a", max_tokens=3))  # without a memo: looked up again
+    assert lookups == ["a", "b", "a"]
+
+
 # --- tokenizers ---------------------------------------------------------------------------
 
 
