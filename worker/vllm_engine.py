@@ -57,6 +57,7 @@ class VllmEngine:
         # parent *thread*, so the thread starting them must live as long as this process:
         # this runs on the worker's loop thread, which runs until the worker stops.
         arm_children()
+        from vllm import envs
         from vllm.config import StructuredOutputsConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
@@ -97,6 +98,11 @@ class VllmEngine:
         self._llm = AsyncLLM.from_engine_args(
             args, usage_context=UsageContext.ENGINE_CONTEXT, stat_loggers=[PrometheusStatLogger]
         )
+        # vLLM reads its settings from the environment at each use, and its stats read one
+        # (`VLLM_COMPUTE_NANS_IN_LOGITS`) for every request at every step: about a tenth of
+        # this process's output-handling CPU went to `os.getenv`. Its engine core caches them once
+        # started, as here (llmq sets the variables it gives vLLM before an engine starts).
+        envs.enable_envs_cache()
         if on_cpu and s.pin_engine_core:
             _pin_engine_core()
 
