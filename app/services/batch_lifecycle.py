@@ -96,7 +96,7 @@ class BatchLifecycle:
         batch thus never floods Redis nor holds another tenant's batch back, and single jobs
         (sent at once, at a higher broker priority) never wait behind it."""
         report = FeedReport()
-        with self._db.session() as s:
+        with self._db.reading() as s:  # one round trip: most rounds end here, with none owed
             models = list(s.scalars(OWED_MODELS))
         for model in models:
             plan = self.plan(model)

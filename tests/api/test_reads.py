@@ -13,6 +13,7 @@ from flask.testing import FlaskClient
 from sqlalchemy import event, text
 
 from app.container import Services
+from app.services.batch_lifecycle import BatchLifecycle
 from tests.helpers import auth
 
 
@@ -55,3 +56,13 @@ def test_a_poll_reads_in_autocommit_and_a_write_is_still_one_transaction(
         raise RuntimeError("the caller fails after its insert")
     with services.db.session() as s:
         assert s.scalar(text("SELECT count(*) FROM tenants WHERE id = :t"), {"t": marker}) == 0
+
+
+def test_the_feeders_look_for_owed_lines_is_one_read_in_autocommit(
+    services: Services, statements: list[tuple[str, bool]]
+) -> None:
+    """The batch feeder runs every 0.2 s on every worker, and most rounds find nothing owed:
+    that look is one SELECT in autocommit, no BEGIN or COMMIT round trip (window 0: no
+    room, so nothing is taken or sent whatever other tests left owed)."""
+    BatchLifecycle(services.db, services.queue, services.events, window=0, chunk=8).feed()
+    assert statements and statements[0] == ("WITH", True), statements
