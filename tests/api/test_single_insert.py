@@ -178,6 +178,34 @@ def test_the_statements_are_one_transaction_after_a_read_in_autocommit(db: Datab
         assert s.scalar(text("SELECT count(*) FROM tenants WHERE id = :t"), {"t": name}) == 0
 
 
+def test_the_transaction_is_one_round_trip(
+    db: Database, tenant: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One sync for BEGIN, the statements and COMMIT (psycopg's own BEGIN in a pipeline syncs
+    at once, and so does its commit: three round trips); the connection goes back to the
+    pool out of autocommit, after a success and after a failure."""
+    from psycopg._pipeline_base import BasePipeline
+
+    syncs = []
+    enqueue_sync = BasePipeline._enqueue_sync
+
+    def counted(self: Any) -> None:
+        syncs.append(1)
+        enqueue_sync(self)
+
+    monkeypatch.setattr(BasePipeline, "_enqueue_sync", counted)
+    insert_single_job(db, tenant, 10**6, row(tenant))
+    assert len(syncs) == 1
+    with pytest.raises(IntegrityError):
+        insert_single_job(db, "no-such-tenant", 10**6, row("no-such-tenant"))
+    fairy = db.engine.raw_connection()
+    try:
+        assert fairy.driver_connection.autocommit is False
+        assert fairy.driver_connection.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    finally:
+        fairy.close()
+
+
 def test_with_tracing_on_each_statement_has_its_span(stores: Stores, db: Database, tenant: str) -> None:
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
