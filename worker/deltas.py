@@ -101,12 +101,15 @@ class JobStream:
             return
         if update.prompt_logprobs is not None and self.shape.text and self.shape.logprobs:
             self._prompt_logprobs = prompt_entries(update.prompt_logprobs)
+        finished = False
         for delta in update.deltas:
             self._take(delta)
-        now = time.monotonic()
-        if self.first_event_at is None or any(d.finish_reason for d in update.deltas):
+            if delta.finish_reason:
+                finished = True
+        if self.first_event_at is None or finished:
             self.flush()  # the first token goes out at once (time to first chunk), and the last
             return
+        now = time.monotonic()
         tokens, seconds = self._publisher.cadence(self.job_id, now - self.first_event_at)
         if self._buffered_tokens >= tokens or now - self._last_flush >= seconds:
             self.flush()

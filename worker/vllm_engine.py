@@ -123,15 +123,21 @@ class VllmEngine:
                 structured_outputs=StructuredOutputsParams(**structured) if structured else None,
                 output_kind=RequestOutputKind.DELTA,
             )
+            # Once per token of every running job: what does not change is looked up once.
+            prompt_top = params.prompt_logprobs
+            prompt_len = len(spec.prompt_token_ids)
+            token_bytes = self._token_bytes
             async for out in self._llm.generate(
                 prompt, params, spec.request_id, priority=spec.priority if self._priority_scheduling else 0
             ):
                 yield EngineUpdate(
-                    deltas=[_delta(o, top, self._token_bytes) for o in out.outputs],
-                    prompt_tokens=len(out.prompt_token_ids or spec.prompt_token_ids),
+                    deltas=[_delta(o, top, token_bytes) for o in out.outputs],
+                    prompt_tokens=len(out.prompt_token_ids) if out.prompt_token_ids else prompt_len,
                     cached_tokens=int(out.num_cached_tokens or 0),
                     finished=bool(out.finished),
-                    prompt_logprobs=self._prompt_logprobs(out, spec.prompt_token_ids, params.prompt_logprobs),
+                    prompt_logprobs=None
+                    if prompt_top is None
+                    else self._prompt_logprobs(out, spec.prompt_token_ids, prompt_top),
                 )
         except EngineDeadError as exc:
             raise EngineDead(str(exc)) from exc
@@ -313,7 +319,7 @@ def _delta(output: Any, top: int | None, token_bytes: Any) -> ChoiceDelta:
         index=int(output.index),
         text=output.text or "",
         token_ids=list(output.token_ids or ()),
-        logprobs=_logprobs(output, top, token_bytes),
+        logprobs=None if output.logprobs is None else _logprobs(output, top, token_bytes),
         finish_reason=output.finish_reason,
         stop_reason=output.stop_reason,
     )
