@@ -621,6 +621,13 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader went away (`llmq batch tail B | head -3`): stop quietly, as a shell
+        # tool does on SIGPIPE. Python would report the pipe again when it flushes stdout
+        # at exit, so stdout points at /dev/null from here on.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except Exception as exc:
         from app.errors import LlmqError
 
