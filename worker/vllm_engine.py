@@ -184,13 +184,12 @@ class VllmEngine:
     def tokenizer(self) -> Any:
         return self._llm.get_tokenizer()
 
-    def _prompt_logprobs(
-        self, out: Any, prompt_ids: list[int], top: int | None
-    ) -> list[PromptLogprob] | None:
-        """The prompt's tokens with their logprobs (`echo` with `logprobs`), from the first
-        output that carries them: vLLM gives None for the first position."""
+    def _prompt_logprobs(self, out: Any, prompt_ids: list[int], top: int) -> list[PromptLogprob] | None:
+        """The prompt's tokens with their logprobs (`echo` with `logprobs`; called only for a
+        request that asked for them), from the first output that carries them: vLLM gives
+        None for the first position."""
         positions = getattr(out, "prompt_logprobs", None)
-        if top is None or not positions:
+        if not positions:
             return None
         tokenizer = self._llm.get_tokenizer()
         entries = []
@@ -325,11 +324,9 @@ def _delta(output: Any, top: int | None, token_bytes: Any) -> ChoiceDelta:
     )
 
 
-def _logprobs(output: Any, top: int | None, token_bytes: Any) -> list[TokenLogprob] | None:
-    """vLLM's per-position {token id: Logprob} → OpenAI's entries: the sampled token, its
-    bytes, and exactly `top` alternatives by rank."""
-    if output.logprobs is None:
-        return None
+def _logprobs(output: Any, top: int | None, token_bytes: Any) -> list[TokenLogprob]:
+    """vLLM's per-position {token id: Logprob} (an output that has them) → OpenAI's
+    entries: the sampled token, its bytes, and exactly `top` alternatives by rank."""
     items = []
     for token_id, position in zip(output.token_ids, output.logprobs, strict=False):
         chosen = position.get(token_id)
