@@ -1,11 +1,16 @@
 """B5 stream overhead: what an SSE client sees against what the engine produced.
 
 For 1, 16 and 64 concurrent streams (`stream: true` on /v1/chat/completions, tiny model):
-- added time to first chunk = the client's time to first chunk − the engine's own time to
-  first token (from the job's generation stats), so it holds API, queue, claim and delivery;
+- time to first chunk against the baseline the issue names: the same requests through
+  vLLM's AsyncLLM directly, at the same concurrency, in the same run (bench/b5_direct.py);
+  added = the client's p99 − the direct caller's p99 time to first token;
+- added time to first chunk per job = a client's time to first chunk − that job's own
+  engine time to first token (from its generation stats), so it holds API, queue, claim
+  and delivery whatever the engine did;
 - delivery lag = when a chunk reached the client − when the worker produced it (each event
   carries the worker's production time `t`, persisted with the job);
-- inter-chunk gap at the client against the gap between productions in the worker.
+- inter-chunk gap at the client against the gap between productions in the worker, and the
+  direct caller's inter-token gap.
 Goal: p99 added ≤ 20 ms. Also: 1,000 idle streams held open by one API, with its thread
 count and memory (gevent workers: a greenlet per stream, not a thread).
 """
@@ -15,6 +20,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -25,20 +32,25 @@ from sqlalchemy import text
 from app.connections import ADMIN_POOL
 from app.db import Database
 from bench import cpu
-from bench.common import save, service, submit_all, wait_done
+from bench.common import ROOT, save, service, submit_all, wait_done
+from bench.load import pct
+
+PROMPT = "stream please"
 
 
-def pct(values: list[float], p: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
+def direct_run(model: str, levels: tuple[int, ...], max_tokens: int) -> dict[str, dict[str, float]]:
+    """B5's requests through a bare AsyncLLM in a process of its own (bench/b5_direct.py)."""
+    argv = [sys.executable, "-m", "bench.b5_direct", "--model", model]
+    argv += ["--levels", ",".join(map(str, levels)), "--max-tokens", str(max_tokens), "--content", PROMPT]
+    out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, check=True)
+    figures: dict[str, dict[str, float]] = json.loads(out.stdout.strip().splitlines()[-1])
+    return figures
 
 
 async def one_stream(client: httpx.AsyncClient, model: str, max_tokens: int) -> dict[str, Any]:
     body = {
         "model": model,
-        "messages": [{"role": "user", "content": "stream please"}],
+        "messages": [{"role": "user", "content": PROMPT}],
         "max_tokens": max_tokens,
         "ignore_eos": True,
         "stream": True,
@@ -67,7 +79,7 @@ def measure(results: list[dict[str, Any]], db: Database) -> dict[str, float]:
                 text("SELECT id, events, generation_stats FROM jobs WHERE id = ANY(:ids)"), {"ids": ids}
             )
         }
-    added_ttfc, lag, client_gap, worker_gap = [], [], [], []
+    ttfc, added_ttfc, lag, client_gap, worker_gap = [], [], [], [], []
     for result in results:
         row = rows[result["job_id"]]
         produced = {e["id"]: e["t"] for e in row.events if e.get("type") == "chunk"}
@@ -76,11 +88,14 @@ def measure(results: list[dict[str, Any]], db: Database) -> dict[str, float]:
         chunks = [(eid, t) for eid, t in result["arrivals"] if eid in produced]
         if not chunks:
             continue
-        added_ttfc.append((chunks[0][1] - result["sent"] - engine_ttft) * 1e3)
+        ttfc.append((chunks[0][1] - result["sent"]) * 1e3)
+        added_ttfc.append(ttfc[-1] - engine_ttft * 1e3)
         lag.extend((t - produced[eid]) * 1e3 for eid, t in chunks)
         client_gap.extend((b[1] - a[1]) * 1e3 for a, b in itertools.pairwise(chunks))
         worker_gap.extend((produced[b[0]] - produced[a[0]]) * 1e3 for a, b in itertools.pairwise(chunks))
     return {
+        "ttfc_p50_ms": round(pct(ttfc, 50), 2),
+        "ttfc_p99_ms": round(pct(ttfc, 99), 2),
         "added_ttfc_p50_ms": round(pct(added_ttfc, 50), 2),
         "added_ttfc_p99_ms": round(pct(added_ttfc, 99), 2),
         "delivery_lag_p50_ms": round(pct(lag, 50), 2),
@@ -143,6 +158,8 @@ def run(
 ) -> dict[str, Any]:
     served = "bench-b5"
     out: dict[str, Any] = {"id": "B5", "goal": "p99 added <= 20 ms"}
+    # Before the service starts, so the two never share the machine.
+    direct = out["direct"] = direct_run(model, levels, max_tokens)
     # One key holds every stream here (1,000 idle subscribers among them, each on a job of
     # its own): its cap on open streams (default 32) and its request burst (500) are raised
     # as an operator serving them would.
@@ -158,7 +175,15 @@ def run(
         for n in levels:
             with cpu.measure(stack) as use:
                 results = asyncio.run(streams_at(stack.base_url, stack.api_key, served, n, max_tokens))
-            out[f"n{n}"] = {**measure(results, db), "cpu_ms_per_job": use.per_unit_ms(n)}
+            figures = measure(results, db)
+            base = direct[f"n{n}"]
+            out[f"n{n}"] = {
+                **figures,
+                "direct_ttft_p99_ms": base["ttft_p99_ms"],
+                "added_vs_direct_p99_ms": round(figures["ttfc_p99_ms"] - base["ttft_p99_ms"], 2),
+                "direct_itl_p99_ms": base["itl_p99_ms"],
+                "cpu_ms_per_job": use.per_unit_ms(n),
+            }
         db.dispose()
         worker = stack.procs["worker"]
         worker.terminate()
@@ -170,9 +195,11 @@ def run(
             ),
         }
     out["summary"] = {
-        f"n{n}": "TTFC +{added_ttfc_p99_ms} ms p99, delivery lag {delivery_lag_p99_ms} ms p99".format(
-            **out[f"n{n}"]
-        )
+        f"n{n}": (
+            "TTFC p99 {ttfc_p99_ms} ms vs direct AsyncLLM {direct_ttft_p99_ms} ms "
+            "(+{added_vs_direct_p99_ms}), per job +{added_ttfc_p99_ms} ms p99, "
+            "delivery lag {delivery_lag_p99_ms} ms p99"
+        ).format(**out[f"n{n}"])
         for n in levels
     }
     save("b5", out)
@@ -181,6 +208,4 @@ def run(
 
 
 if __name__ == "__main__":
-    import sys
-
     run(sys.argv[1] if len(sys.argv) > 1 else ".test-models/tiny")

@@ -101,7 +101,13 @@ def test_the_report_has_a_row_per_result_and_a_png_per_curve(tmp_path: Path) -> 
             "curves": {"llmq": [{"rps": 10.0, "p99_ms": 9.0}], "hello": [{"rps": 90.0, "p99_ms": 1.0}]},
             "goal": ">= 0.5",
         },
-        {"id": "B5", "levels": {"n1": {"added_ttfc_p99_ms": 5.0, "delivery_lag_p99_ms": 2.0}}, "goal": "x"},
+        {
+            "id": "B5",
+            "levels": {
+                "n1": {"added_vs_direct_p99_ms": 4.0, "added_ttfc_p99_ms": 5.0, "delivery_lag_p99_ms": 2.0}
+            },
+            "goal": "x",
+        },
         {
             "id": "B10",
             "ratio": 2.0,

@@ -1,0 +1,79 @@
+"""B5 baseline: B5's streams through vLLM's AsyncLLM directly, in one process, at the same
+concurrency levels: each level's requests are started together, as B5's clients start
+theirs, and each token's arrival is timed as the caller of `generate` sees it.
+
+Run as a script (vLLM on CPU spawns processes: the engine must be built under __main__).
+Prints one JSON line: {"n<level>": {"ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
+"itl_p99_ms"}, ...}: time to first token from the call, and the gap between a request's
+successive outputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import time
+
+from app.domain.prompts import ChatRenderer
+from app.schemas.chat import ChatCompletionV2Request
+from app.settings import Settings
+from bench.load import pct
+
+
+async def main(model: str, levels: list[int], max_tokens: int, content: str) -> dict[str, dict[str, float]]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    from worker.vllm_engine import VllmEngine
+
+    engine = VllmEngine(Settings(model=model))
+    await engine.start()
+    llm = engine._llm  # the raw AsyncLLM: this is the baseline
+    body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens}
+    prompt = TokensPrompt(
+        prompt_token_ids=ChatRenderer.load(model).render(ChatCompletionV2Request.model_validate(body))
+    )
+    params = SamplingParams(
+        max_tokens=max_tokens, ignore_eos=True, temperature=0, output_kind=RequestOutputKind.DELTA
+    )
+    ids = itertools.count()
+
+    async def one() -> list[float]:
+        """When the call started, then when each output with tokens came."""
+        times = [time.perf_counter()]
+        async for out in llm.generate(prompt, params, f"b5-{next(ids)}"):
+            if any(o.token_ids for o in out.outputs):
+                times.append(time.perf_counter())
+        return times
+
+    warm = SamplingParams(max_tokens=1, output_kind=RequestOutputKind.DELTA)
+    for w in range(4):
+        async for _ in llm.generate(prompt, warm, f"b5-warm-{w}"):
+            pass
+    figures: dict[str, dict[str, float]] = {}
+    for n in levels:
+        runs = await asyncio.gather(*(one() for _ in range(n)))
+        ttft = [(t[1] - t[0]) * 1e3 for t in runs if len(t) > 1]
+        itl = [(b - a) * 1e3 for t in runs for a, b in itertools.pairwise(t[1:])]
+        figures[f"n{n}"] = {
+            "ttft_p50_ms": round(pct(ttft, 50), 2),
+            "ttft_p99_ms": round(pct(ttft, 99), 2),
+            "itl_p50_ms": round(pct(itl, 50), 2),
+            "itl_p99_ms": round(pct(itl, 99), 2),
+        }
+    await engine.close()
+    return figures
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--levels", required=True, help="comma-separated stream counts")
+    p.add_argument("--max-tokens", type=int, required=True)
+    p.add_argument("--content", required=True, help="the user message B5's requests send")
+    a = p.parse_args()
+    result = asyncio.run(main(a.model, [int(x) for x in a.levels.split(",")], a.max_tokens, a.content))
+    print(json.dumps(result), flush=True)
