@@ -72,6 +72,10 @@ def run(model: str, n: int = 64, max_tokens: int = 256) -> dict[str, Any]:
         "direct_before_after": "/".join(f"{tps:.0f}" for tps in direct_tps),
         "service_tokens_per_s": round(service_tps, 1),
         "ratio": round(service_tps / baseline_tps, 3),
+        # The admission ramp: how long after the first submit the last job was claimed
+        # (API, queue and claim for all of them), inside the service's wall time.
+        "last_started_after_s": round(svc["last_start"], 3),
+        "service_wall_s": round(svc["wall"], 3),
         "cpu_ms_per_job": use.per_unit_ms(n),
         # The bare AsyncLLM client's own process (engine core excluded), per request: what
         # the worker's process is held against (goal: worker <= 1.5x this).

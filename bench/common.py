@@ -80,13 +80,20 @@ def wait_done(stack: Stack, ids: list[str], timeout: float = 1800) -> dict[str, 
                         "(WHERE status IN ('succeeded','failed','cancelled')) AS done, "
                         "count(*) FILTER (WHERE status = 'succeeded') AS ok, "
                         "extract(epoch FROM max(succeeded_at) - min(created_at)) AS wall, "
+                        "extract(epoch FROM max(started_at) - min(created_at)) AS last_start, "
                         "sum((usage->>'completion_tokens')::int) AS tokens "
                         "FROM jobs WHERE id = ANY(:ids)"
                     ),
                     {"ids": ids},
                 ).one()
             if row.done == len(ids):
-                return {"ok": float(row.ok), "wall": float(row.wall), "tokens": float(row.tokens or 0)}
+                return {
+                    "ok": float(row.ok),
+                    "wall": float(row.wall),
+                    "tokens": float(row.tokens or 0),
+                    # When the last job was first claimed by a worker, from the first submit.
+                    "last_start": float(row.last_start or 0),
+                }
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{row.done}/{len(ids)} jobs done")
             time.sleep(0.25)
