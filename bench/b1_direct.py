@@ -11,10 +11,33 @@ import asyncio
 import json
 import resource
 import time
+from typing import Any
 
 from app.domain.prompts import ChatRenderer
 from app.schemas.chat import ChatCompletionV2Request
 from app.settings import Settings
+
+
+async def start_direct(model: str) -> tuple[Any, Any]:
+    """The worker's engine built as the service builds it (same engine arguments), and its
+    raw AsyncLLM: the baseline drives that directly. The caller closes the engine."""
+    from worker.vllm_engine import VllmEngine
+
+    engine = VllmEngine(Settings(model=model))
+    await engine.start()
+    return engine, engine._llm
+
+
+async def warm_up(llm: Any, prompt_ids: list[int], tag: str) -> None:
+    """Four one-token requests, not measured, as on the service's side."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    warm = SamplingParams(max_tokens=1, output_kind=RequestOutputKind.DELTA)
+    for w in range(4):
+        async for _ in llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), warm, f"{tag}-warm-{w}"):
+            pass
 
 
 async def main(model: str, bodies: list[dict]) -> dict[str, float]:
@@ -22,12 +45,7 @@ async def main(model: str, bodies: list[dict]) -> dict[str, float]:
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
 
-    from worker.vllm_engine import VllmEngine
-
-    settings = Settings(model=model)
-    engine = VllmEngine(settings)
-    await engine.start()
-    llm = engine._llm  # the raw AsyncLLM: this is the baseline
+    engine, llm = await start_direct(model)
     renderer = ChatRenderer.load(model)
     prompts = [renderer.render(ChatCompletionV2Request.model_validate(b)) for b in bodies]
 
@@ -41,11 +59,7 @@ async def main(model: str, bodies: list[dict]) -> dict[str, float]:
             count += sum(len(o.token_ids) for o in out.outputs)
         return count
 
-    # Warm-up, not measured, as on the service's side.
-    warm = SamplingParams(max_tokens=1, output_kind=RequestOutputKind.DELTA)
-    for w in range(4):
-        async for _ in llm.generate(TokensPrompt(prompt_token_ids=prompts[0]), warm, f"b1-warm-{w}"):
-            pass
+    await warm_up(llm, prompts[0], "b1")
     start = time.perf_counter()
     cpu_start = _own_cpu()
     counts = await asyncio.gather(*(one(i) for i in range(len(bodies))))

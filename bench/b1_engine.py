@@ -10,13 +10,11 @@ only moved the ratio from 0.96 to 0.68 and back."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import tempfile
 from typing import Any
 
 from bench import cpu
-from bench.common import ROOT, save, service, submit_all, wait_done
+from bench.common import save, script_json, service, submit_all, wait_done
 
 
 def bodies(n: int, max_tokens: int, served: str) -> list[dict[str, Any]]:
@@ -34,14 +32,7 @@ def bodies(n: int, max_tokens: int, served: str) -> list[dict[str, Any]]:
 
 def direct_run(model: str, bodies_path: str) -> dict[str, float]:
     """The requests through a bare AsyncLLM in a process of its own (bench/b1_direct.py)."""
-    out = subprocess.run(
-        [sys.executable, "-m", "bench.b1_direct", "--model", model, "--bodies", bodies_path],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    figures: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
+    figures: dict[str, float] = script_json("bench.b1_direct", "--model", model, "--bodies", bodies_path)
     return figures
 
 

@@ -18,7 +18,7 @@ import time
 
 from app.domain.prompts import ChatRenderer
 from app.schemas.chat import ChatCompletionV2Request
-from app.settings import Settings
+from bench.b1_direct import start_direct, warm_up
 from bench.load import pct
 
 
@@ -27,15 +27,10 @@ async def main(model: str, levels: list[int], max_tokens: int, content: str) -> 
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
 
-    from worker.vllm_engine import VllmEngine
-
-    engine = VllmEngine(Settings(model=model))
-    await engine.start()
-    llm = engine._llm  # the raw AsyncLLM: this is the baseline
+    engine, llm = await start_direct(model)
     body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens}
-    prompt = TokensPrompt(
-        prompt_token_ids=ChatRenderer.load(model).render(ChatCompletionV2Request.model_validate(body))
-    )
+    prompt_ids = ChatRenderer.load(model).render(ChatCompletionV2Request.model_validate(body))
+    prompt = TokensPrompt(prompt_token_ids=prompt_ids)
     params = SamplingParams(
         max_tokens=max_tokens, ignore_eos=True, temperature=0, output_kind=RequestOutputKind.DELTA
     )
@@ -49,10 +44,7 @@ async def main(model: str, levels: list[int], max_tokens: int, content: str) -> 
                 times.append(time.perf_counter())
         return times
 
-    warm = SamplingParams(max_tokens=1, output_kind=RequestOutputKind.DELTA)
-    for w in range(4):
-        async for _ in llm.generate(prompt, warm, f"b5-warm-{w}"):
-            pass
+    await warm_up(llm, prompt_ids, "b5")
     figures: dict[str, dict[str, float]] = {}
     for n in levels:
         runs = await asyncio.gather(*(one() for _ in range(n)))

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import subprocess
 import sys
 import time
 from typing import Any
@@ -32,7 +31,7 @@ from sqlalchemy import text
 from app.connections import ADMIN_POOL
 from app.db import Database
 from bench import cpu
-from bench.common import ROOT, save, service, submit_all, wait_done
+from bench.common import save, script_json, service, submit_all, wait_done
 from bench.load import pct
 
 PROMPT = "stream please"
@@ -40,10 +39,11 @@ PROMPT = "stream please"
 
 def direct_run(model: str, levels: tuple[int, ...], max_tokens: int) -> dict[str, dict[str, float]]:
     """B5's requests through a bare AsyncLLM in a process of its own (bench/b5_direct.py)."""
-    argv = [sys.executable, "-m", "bench.b5_direct", "--model", model]
-    argv += ["--levels", ",".join(map(str, levels)), "--max-tokens", str(max_tokens), "--content", PROMPT]
-    out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, check=True)
-    figures: dict[str, dict[str, float]] = json.loads(out.stdout.strip().splitlines()[-1])
+    figures: dict[str, dict[str, float]] = script_json(
+        "bench.b5_direct",
+        *("--model", model, "--levels", ",".join(map(str, levels))),
+        *("--max-tokens", str(max_tokens), "--content", PROMPT),
+    )
     return figures
 
 

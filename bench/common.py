@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -51,6 +53,15 @@ def service(model: str, served_name: str, **env: str) -> Iterator[Stack]:
         yield stack
     finally:
         stack.stop()
+
+
+def script_json(module: str, *args: str) -> Any:
+    """Run `python -m <module> <args>` in a process of its own (vLLM's baselines: the engine
+    must be built under __main__) and return the JSON of the last line it printed."""
+    out = subprocess.run(
+        [sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def submit_all(stack: Stack, bodies: list[dict[str, Any]], threads: int = 64) -> list[str]:
