@@ -1,0 +1,102 @@
+"""The pool keeps the connections a burst opened past it (app/db.py KeptOverflowPool): a
+second burst opens none, an idle one closes them, and the process's total holds."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import sqlalchemy
+from sqlalchemy import text
+
+from app.connections import PoolSize
+from app.db import Database, KeptOverflowPool
+from tests.helpers import Stores
+
+
+def burst(db: Database, width: int) -> None:
+    """`width` transactions at once, each holding its connection until all have one."""
+    ready = threading.Barrier(width)
+
+    def one() -> None:
+        with db.session() as s:
+            s.execute(text("SELECT 1"))
+            ready.wait(timeout=10)
+
+    threads = [threading.Thread(target=one) for _ in range(width)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+@pytest.fixture
+def db(stores: Stores) -> Iterator[Database]:
+    db = Database.from_url(stores.database_url, PoolSize(pool=2, overflow=3))
+    yield db
+    db.dispose()
+
+
+def test_a_second_burst_opens_no_connection(db: Database) -> None:
+    opened: list[object] = []
+    sqlalchemy.event.listen(db.engine, "connect", lambda *_: opened.append(1))
+    pool = db.engine.pool
+    assert isinstance(pool, KeptOverflowPool)
+    burst(db, 5)
+    assert len(opened) == 5
+    assert pool.kept() == 3 and pool.checkedout() == 0
+    burst(db, 5)
+    burst(db, 4)
+    assert len(opened) == 5
+
+
+def test_kept_connections_close_once_idle(db: Database) -> None:
+    closed: list[object] = []
+    sqlalchemy.event.listen(db.engine.pool, "close", lambda *_: closed.append(1))
+    pool = db.engine.pool
+    assert isinstance(pool, KeptOverflowPool)
+    pool.overflow_idle_seconds = 0.2
+    burst(db, 5)
+    assert pool.kept() == 3 and not closed
+    time.sleep(0.3)
+    with db.session() as s:  # any checkout looks
+        s.execute(text("SELECT 1"))
+    assert pool.kept() == 0 and len(closed) == 3
+    # They count as closed: a new burst may open them again, and no more.
+    burst(db, 5)
+    assert pool.kept() == 3
+
+
+def test_the_process_total_holds_with_connections_kept(stores: Stores) -> None:
+    db = Database.from_url(stores.database_url, PoolSize(pool=1, overflow=1), pool_timeout=0.2)
+    try:
+        burst(db, 2)
+        assert db.engine.pool.kept() == 1  # type: ignore[attr-defined]
+        with db.engine.connect(), db.engine.connect(), pytest.raises(sqlalchemy.exc.TimeoutError):
+            db.engine.connect()
+    finally:
+        db.dispose()
+
+
+def test_a_waiter_gets_the_connection_returned(stores: Stores) -> None:
+    db = Database.from_url(stores.database_url, PoolSize(pool=1, overflow=1), pool_timeout=5)
+    try:
+        first, second = db.engine.connect(), db.engine.connect()
+        got: list[float] = []
+
+        def wait() -> None:
+            start = time.monotonic()
+            with db.engine.connect():
+                got.append(time.monotonic() - start)
+
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        time.sleep(0.2)
+        second.close()  # back to an empty queue: the waiter's
+        waiter.join(timeout=5)
+        assert got and got[0] < 2
+        first.close()
+    finally:
+        db.dispose()
