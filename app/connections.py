@@ -34,7 +34,7 @@ ADMIN_CONNECTIONS = 4
 @dataclass(frozen=True)
 class PoolSize:
     """One process's pool: `pool` connections kept open, `overflow` more opened under load
-    and closed when returned."""
+    and closed once unused for a while (app/db.py, KeptOverflowPool)."""
 
     pool: int
     overflow: int
