@@ -24,6 +24,11 @@ class EventSink(Protocol):
         first event."""
         ...
 
+    def merge_seconds(self, job_id: str, age: float) -> float:
+        """How long the engine's updates for the job may wait to be taken, merged, `age`
+        seconds after its first event (0: take each as it comes)."""
+        ...
+
     def submit(self, job_id: str, event: dict[str, Any], *, final: bool = False) -> None: ...
 
 
@@ -113,6 +118,14 @@ class JobStream:
         tokens, seconds = self._publisher.cadence(self.job_id, now - self.first_event_at)
         if self._buffered_tokens >= tokens or now - self._last_flush >= seconds:
             self.flush()
+
+    def merge_seconds(self) -> float:
+        """How long the runner may leave the engine's next update waiting, its steps merged
+        meanwhile (`Engine.merges_updates`): the publisher's answer for this job once it
+        has sent its first event, nothing before."""
+        if self.first_event_at is None:
+            return 0.0
+        return self._publisher.merge_seconds(self.job_id, time.monotonic() - self.first_event_at)
 
     def _take(self, delta: ChoiceDelta) -> None:
         pending = self._pending[delta.index]

@@ -89,6 +89,9 @@ class Engine(Protocol):
 
     name: str
     version: str
+    # Whether a request's updates merge while its consumer is away (vLLM's DELTA outputs
+    # do): a consumer may then take them less often without slowing the request.
+    merges_updates: bool
 
     async def start(self) -> None: ...
 
@@ -134,6 +137,7 @@ class InstantEngine:
 
     name = "instant"
     version = "0"
+    merges_updates = False  # each token waits for its consumer
 
     def __init__(self, *, context: int = 4096, delay: float = 0.0) -> None:
         self._context = context

@@ -114,6 +114,16 @@ class Outcome:
     def completion_tokens(self) -> int:
         return sum(c.tokens for c in self.choices)
 
+    def merge_pause(self, pause: float, max_tokens: int | None) -> float:
+        """`pause`, cut to most of the time the job has left before its furthest choice
+        reaches `max_tokens` at its pace so far: a job that runs to its limit is taken as it
+        ends, not up to `pause` later (one that stops sooner, at a stop token, may be)."""
+        made = max(c.tokens for c in self.choices)
+        if max_tokens is None or self.first_token is None or self.last_token is None or made < 2:
+            return pause
+        per_token = (self.last_token - self.first_token) / (made - 1)
+        return min(pause, 0.8 * per_token * max(max_tokens - made, 0))
+
 
 def stream_shape(tr: Translation, job_id: str) -> StreamShape:
     mode = {"named": "arguments", "required": "buffered", "auto": "buffered"}.get(tr.tools.mode, "content")
@@ -391,12 +401,19 @@ class JobRunner:
                 run.span.end(None)
             return  # stopped while its prompt rendered (an abort then found nothing to stop)
 
+        spec = run.tr.spec
+        merges = self._engine.merges_updates
+
         async def generate() -> None:
-            async for update in self._engine.generate(run.tr.spec):  # type: ignore[union-attr]
+            async for update in self._engine.generate(spec):
                 outcome.add(update)
                 stream.add(update)
                 if run.constraint_key is not None and outcome.first_token is not None:
                     self._proven.add(run.constraint_key)
+                # Nobody is watching: the engine's next steps wait, merged into one update
+                # (worker/streaming.py, quiet_merge_seconds).
+                if merges and not update.finished and (pause := stream.merge_seconds()):
+                    await asyncio.sleep(outcome.merge_pause(pause, spec.sampling.get("max_tokens")))
 
         try:
             await asyncio.wait_for(generate(), self._config.job_timeout_seconds)

@@ -120,6 +120,7 @@ def _seeded(prompt: list[int], seed: int, index: int) -> random.Random:
 class SimulatedEngine:
     name = "simulated"
     version = "1"
+    merges_updates = False
 
     def __init__(
         self,

@@ -34,6 +34,9 @@ log = logging.getLogger("llmq.engine")
 
 class VllmEngine:
     name = "vllm"
+    # DELTA outputs: vLLM's per-request collector merges the steps its consumer has not
+    # taken yet into one output (text, token ids and logprobs appended).
+    merges_updates = True
 
     def __init__(self, settings: Settings) -> None:
         # vLLM configures logging in each of its processes from its own settings, which the

@@ -177,3 +177,28 @@ def test_openai_sdk_create_and_stream(stack: Stack) -> None:
     assert exc.value.body["param"] == "n"  # type: ignore[index]
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "Hi"}])
+
+
+def test_a_job_nobody_watches_stores_every_token_of_its_merged_updates(stack: Stack) -> None:
+    """Once nobody has heard a job for its grace (1 s), the worker takes vLLM's updates at
+    most every 0.1 s, merged by vLLM meanwhile (worker/streaming.py). Two identical greedy
+    jobs side by side, one watched from the start and one never: the same text, every token
+    and every token's logprobs stored, and the unwatched one's recorded stream adds up."""
+    fields = {"max_tokens": 1900, "ignore_eos": True, "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    watched, alone = submit(stack, **fields), submit(stack, **fields)
+    with stack.client() as c:
+        live = read_all(c, f"/v2/jobs/{watched}/stream")
+        jobs = wait_for(c, [watched, alone])
+        replay = read_all(c, f"/v2/jobs/{alone}/stream")
+    a, b = jobs[watched], jobs[alone]
+    assert a["status"] == b["status"] == "succeeded"
+    # Long enough to have gone quiet (its tokens took well past the 1 s grace).
+    assert b["e2e_seconds"] - b["queue_wait_seconds"] > 2.0, b
+    assert b["usage"]["completion_tokens"] == 1900
+    choice_a, choice_b = a["response"]["choices"][0], b["response"]["choices"][0]
+    assert len(choice_b["logprobs"]["content"]) == 1900
+    assert [t["token"] for t in choice_b["logprobs"]["content"]] == [
+        t["token"] for t in choice_a["logprobs"]["content"]
+    ]
+    assert choice_b["message"]["content"] == choice_a["message"]["content"] == text_of(live)
+    assert text_of(replay) == choice_b["message"]["content"]

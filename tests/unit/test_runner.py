@@ -459,3 +459,121 @@ def test_every_log_line_about_a_job_carries_its_request_id(
     assert all(getattr(r, "request_id", None) == "req-a" for r in about["job_a"])
     assert all(getattr(r, "request_id", None) == "req-b" for r in about["job_b"])
     assert about["job_c"] and all(not hasattr(r, "request_id") for r in about["job_c"])
+
+
+class MergingEngine(InstantEngine):
+    """Generates on its own clock, as vLLM does: the updates its consumer has not taken yet
+    merge into one (text and token ids appended). Counts the updates taken."""
+
+    merges_updates = True
+
+    def __init__(self, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(**kwargs)
+        self.taken = 0
+
+    async def generate(self, spec):  # type: ignore[no-untyped-def]
+        import asyncio
+
+        from worker.engine import ChoiceDelta, EngineUpdate
+
+        pending: list[EngineUpdate] = []
+        ready = asyncio.Event()
+
+        async def produce() -> None:
+            async for update in InstantEngine.generate(self, spec):
+                pending.append(update)
+                ready.set()
+
+        producer = asyncio.ensure_future(produce())
+        try:
+            while True:
+                await ready.wait()
+                ready.clear()
+                batch = pending[:]
+                pending.clear()
+                deltas = [
+                    ChoiceDelta(
+                        i,
+                        "".join(d.text for u in batch for d in u.deltas if d.index == i),
+                        [t for u in batch for d in u.deltas if d.index == i for t in d.token_ids],
+                        finish_reason=batch[-1].deltas[i].finish_reason,
+                    )
+                    for i in range(spec.n)
+                ]
+                self.taken += 1
+                yield EngineUpdate(deltas, batch[-1].prompt_tokens, 0, batch[-1].finished)
+                if batch[-1].finished:
+                    return
+        finally:
+            producer.cancel()
+
+
+class QuietStreams(FakeStreams):
+    """Nobody hears any job: its updates may wait `pause` seconds (StreamPublisher's quiet
+    cadence, from its first event on)."""
+
+    def __init__(self, pause: float) -> None:
+        super().__init__()
+        self.pause = pause
+
+    def merge_seconds(self, job_id: str, age: float) -> float:
+        return self.pause
+
+
+def test_a_job_nobody_watches_takes_the_engines_steps_merged_and_loses_none(loop: LoopThread) -> None:
+    store, streams = FakeStore(), QuietStreams(0.03)
+    store.add("job_1", body(max_tokens=150, n=2))
+    engine = MergingEngine(delay=0.002)
+    runner = make_runner(loop, engine, store, streams)
+    assert runner.run("job_1") == "succeeded"
+    completion = ChatCompletion.model_validate(store.jobs["job_1"]["response"])
+    expected = " ".join(f"tok{i}" for i in range(150))
+    assert [c.message.content for c in completion.choices] == [expected, expected]
+    assert [c.finish_reason for c in completion.choices] == ["length", "length"]
+    assert store.jobs["job_1"]["usage"]["completion_tokens"] == 300
+    # 150 steps of 2 ms, taken at most every 30 ms: a few dozen updates, not 150.
+    assert engine.taken < 75
+    # The streamed chunks carry the same text.
+    chunks = [e for e in streams.shipped["job_1"] if e.get("type") == "chunk"]
+    streamed = "".join(
+        c["data"]["choices"][0]["delta"].get("content") or ""
+        for c in chunks
+        if c["data"]["choices"] and c["data"]["choices"][0]["index"] == 0
+    )
+    assert streamed == expected
+
+
+def test_a_watched_job_takes_every_step(loop: LoopThread) -> None:
+    store, streams = FakeStore(), QuietStreams(0.0)
+    store.add("job_1", body(max_tokens=60))
+    engine = MergingEngine(delay=0.003)
+    runner = make_runner(loop, engine, store, streams)
+    assert runner.run("job_1") == "succeeded"
+    assert store.jobs["job_1"]["usage"]["completion_tokens"] == 60
+    assert engine.taken >= 50  # one per step, but for a step or two the loop was late for
+
+
+def test_an_engine_that_does_not_merge_is_never_made_to_wait(loop: LoopThread) -> None:
+    """InstantEngine's next token waits for its consumer: pausing would slow the job itself
+    (100 tokens at a 0.05 s pause would take 5 s)."""
+    store, streams = FakeStore(), QuietStreams(0.05)
+    store.add("job_1", body(max_tokens=100))
+    runner = make_runner(loop, InstantEngine(delay=0.001), store, streams)
+    started = time.monotonic()
+    assert runner.run("job_1") == "succeeded"
+    assert time.monotonic() - started < 2.5
+
+
+def test_a_merge_pause_ends_before_the_job_would_reach_its_limit() -> None:
+    from worker.engine import ChoiceDelta, EngineUpdate
+    from worker.runner import Outcome
+
+    outcome = Outcome(1)
+    assert outcome.merge_pause(0.1, 256) == 0.1  # nothing generated yet: no pace to go by
+    outcome.add(EngineUpdate([ChoiceDelta(0, "a", list(range(101)))], 5, 0, False))
+    assert outcome.first_token is not None
+    outcome.first_token = outcome.last_token - 1.0  # type: ignore[operator] # 100 tokens a second
+    assert outcome.merge_pause(0.1, 256) == 0.1  # 155 tokens, 1.55 s to go
+    assert outcome.merge_pause(0.1, 106) == pytest.approx(0.04)  # 5 tokens: 80 % of 0.05 s
+    assert outcome.merge_pause(0.1, 101) == 0.0  # at its limit: take the last update at once
+    assert outcome.merge_pause(0.1, None) == 0.1  # no limit known
