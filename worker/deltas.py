@@ -24,9 +24,9 @@ class EventSink(Protocol):
         first event."""
         ...
 
-    def merge_seconds(self, job_id: str, age: float) -> float:
-        """How long the engine's updates for the job may wait to be taken, merged, `age`
-        seconds after its first event (0: take each as it comes)."""
+    def merge_seconds(self, job_id: str) -> float:
+        """How long the engine's updates for the job may wait to be taken, merged (0: take
+        each as it comes)."""
         ...
 
     def submit(self, job_id: str, event: dict[str, Any], *, final: bool = False) -> None: ...
@@ -123,9 +123,7 @@ class JobStream:
         """How long the runner may leave the engine's next update waiting, its steps merged
         meanwhile (`Engine.merges_updates`): the publisher's answer for this job once it
         has sent its first event, nothing before."""
-        if self.first_event_at is None:
-            return 0.0
-        return self._publisher.merge_seconds(self.job_id, time.monotonic() - self.first_event_at)
+        return 0.0 if self.first_event_at is None else self._publisher.merge_seconds(self.job_id)
 
     def _take(self, delta: ChoiceDelta) -> None:
         pending = self._pending[delta.index]

@@ -104,7 +104,7 @@ class FakeStreams:
     def cadence(self, job_id: str, age: float) -> tuple[int, float]:
         return self.flush_tokens, self.flush_seconds
 
-    def merge_seconds(self, job_id: str, age: float) -> float:
+    def merge_seconds(self, job_id: str) -> float:
         return 0.0
 
     def __init__(self) -> None:

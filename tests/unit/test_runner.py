@@ -516,7 +516,7 @@ class QuietStreams(FakeStreams):
         super().__init__()
         self.pause = pause
 
-    def merge_seconds(self, job_id: str, age: float) -> float:
+    def merge_seconds(self, job_id: str) -> float:
         return self.pause
 
 
