@@ -20,7 +20,9 @@ runner takes the engine's updates at most every `quiet_merge_seconds` (`merge_se
 vLLM merges the steps in between into one update, so a job nobody watches costs the worker
 one wake-up per merge instead of one per token (B1's 64 jobs of 256 tokens: the worker's
 CPU per job 19.8 -> 16.1 ms, rounds alternating in one stack). A subscriber who comes is
-heard at the next flush, at most that long after, and from then on every step is taken.
+heard at the job's next flush, and from then on every step is taken. A job that ends at a
+stop token may be stored up to that long after the engine ended it (its engine slot is
+free at once; one that runs to `max_tokens` is taken as it ends).
 
 The worker keeps every event of a running job; if Redis restarts (and loses the stream),
 the publisher writes the whole history again once it reconnects.
@@ -114,8 +116,7 @@ class StreamPublisher:
 
     def merge_seconds(self, job_id: str) -> float:
         """`quiet_merge_seconds` while nobody heard the job's latest announcement (from its
-        first flush on, grace or not: a subscriber who comes is heard at the next flush, at
-        most that long after), else 0: a watched job takes every step as it comes."""
+        first flush on, grace or not), else 0: a watched job takes every step as it comes."""
         return self.quiet_merge_seconds if job_id in self._unheard else 0.0
 
     def submit(self, job_id: str, event: dict[str, Any], *, final: bool = False) -> None:
