@@ -24,6 +24,12 @@ heard at the job's next flush, and from then on every step is taken. A job that 
 stop token may be stored up to that long after the engine ended it (its engine slot is
 free at once; one that runs to `max_tokens` is taken as it ends).
 
+Such a job's later events are also gathered: the shipping thread holds one for up to
+`quiet_gather_seconds`, so that what every quiet job flushes meanwhile goes in the same
+round trip, and the job threads queueing them never wake it. An event somebody may hear
+(a job not known to be unheard, or one's last event) ends the wait at once and takes the
+gathered ones along, so a watched stream is never held back by quiet ones.
+
 The worker keeps every event of a running job; if Redis restarts (and loses the stream),
 the publisher writes the whole history again once it reconnects.
 """
@@ -76,6 +82,7 @@ class StreamPublisher:
         quiet_flush_tokens: int = 256,
         quiet_flush_seconds: float = 0.5,
         quiet_merge_seconds: float = 0.1,
+        quiet_gather_seconds: float = 0.05,
         listen_grace_seconds: float = 1.0,
         max_len: int = 100_000,
         expire_seconds: int = 3600,
@@ -86,6 +93,7 @@ class StreamPublisher:
         self.quiet_flush_tokens = quiet_flush_tokens
         self.quiet_flush_seconds = quiet_flush_seconds
         self.quiet_merge_seconds = quiet_merge_seconds
+        self.quiet_gather_seconds = quiet_gather_seconds
         self.listen_grace_seconds = listen_grace_seconds
         # Jobs whose latest announcement nobody heard (written by the shipping thread, read
         # on the engine's: a stale answer only delays one flush).
@@ -93,6 +101,8 @@ class StreamPublisher:
         self._max_len = max_len
         self._expire = expire_seconds
         self._queue: queue.SimpleQueue[tuple[str, dict[str, Any], bool] | None] = queue.SimpleQueue()
+        # Set when an event somebody may be waiting for is queued: it ends a gathering.
+        self._urgent = threading.Event()
         self._history: dict[str, list[dict[str, Any]]] = {}
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="llmq-stream-publisher", daemon=True)
@@ -105,6 +115,7 @@ class StreamPublisher:
             self._history[job_id] = []
         if epoch > 1:
             self._queue.put((job_id, {"reset": True}, False))
+            self._urgent.set()
         return JobStream(self, job_id, epoch, header, n=n)
 
     def cadence(self, job_id: str, age: float) -> tuple[int, float]:
@@ -125,6 +136,13 @@ class StreamPublisher:
             if history is not None:
                 history.append(event)
         self._queue.put((job_id, event, final))
+        if self._may_be_heard(job_id, final):
+            self._urgent.set()
+
+    def _may_be_heard(self, job_id: str, final: bool) -> bool:
+        """Whether somebody may be waiting for this event now: a job not known to be
+        unheard, or any job's last. Such an event is never held to gather others."""
+        return final or job_id not in self._unheard
 
     def discard(self, job_id: str) -> None:
         """Forget a job whose result was refused by the fence (another worker owns it)."""
@@ -137,6 +155,7 @@ class StreamPublisher:
 
     def stop(self, timeout: float = 5.0) -> None:
         self._queue.put(None)
+        self._urgent.set()
         self._thread.join(timeout)
 
     def _drain(
@@ -161,6 +180,11 @@ class StreamPublisher:
             item = self._queue.get()
             if item is None:
                 return
+            if self.quiet_gather_seconds and not self._may_be_heard(item[0], item[2]):
+                # Nobody hears this job: its event waits with whatever else comes meanwhile
+                # (not waking this thread), unless one that somebody may hear comes first.
+                self._urgent.wait(self.quiet_gather_seconds)
+            self._urgent.clear()
             batch, stopping = self._drain(item)
             self._ship_with_retry(batch)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import redis
@@ -38,6 +38,11 @@ def ship(pub: StreamPublisher, job_id: str, seq: int, *, final: bool = False) ->
     while pub.published == before:
         assert time.monotonic() < deadline, "event not shipped"
         time.sleep(0.005)
+
+
+def _logged(r: redis.Redis, job_id: str) -> list[str]:
+    """The ids of the job's stream log as Redis has it."""
+    return [eid.decode() for eid, _ in r.xrange(job_stream(job_id))]
 
 
 def heard(sub: redis.client.PubSub) -> bool:
@@ -77,7 +82,7 @@ def test_unheard_job_is_quiet_after_its_grace_and_live_again_once_heard(
     ship(publisher, job_id, 4, final=True)
     assert publisher.cadence(job_id, 1.5) == (8, 0.04)  # forgotten once ended
     assert publisher.merge_seconds(job_id) == 0.0
-    assert [eid.decode() for eid, _ in r.xrange(job_stream(job_id))] == ["1-1", "1-2", "1-3", "1-4"]
+    assert _logged(r, job_id) == ["1-1", "1-2", "1-3", "1-4"]
 
 
 def test_a_job_stream_flushes_by_the_publishers_cadence(publisher: StreamPublisher) -> None:
@@ -180,4 +185,47 @@ def test_events_ship_after_redis_drops_its_scripts(publisher: StreamPublisher, s
     finally:
         sub.close()
     ship(publisher, job_id, 3, final=True)
-    assert [eid.decode() for eid, _ in r.xrange(job_stream(job_id))] == ["1-1", "1-2", "1-3"]
+    assert _logged(r, job_id) == ["1-1", "1-2", "1-3"]
+
+
+def _until(check: Callable[[], bool], seconds: float = 5.0) -> float:
+    """Seconds until `check()` held (fails after `seconds`)."""
+    start = time.monotonic()
+    while not check():
+        assert time.monotonic() - start < seconds, "never happened"
+        time.sleep(0.005)
+    return time.monotonic() - start
+
+
+def test_events_nobody_hears_gather_and_ship_together_while_others_ship_at_once(
+    publisher: StreamPublisher, stores: Stores
+) -> None:
+    """A job whose latest announcement nobody heard: its next events wait up to the gather
+    time for each other (one round trip, no wake-up each); an event of a job that may be
+    heard, or a job's last, ends the wait at once and takes them along."""
+    r = redis.Redis.from_url(stores.redis_url)
+    publisher.quiet_gather_seconds = 1.5
+    quiet, other = f"job_{secrets.token_hex(4)}", f"job_{secrets.token_hex(4)}"
+    for job_id in (quiet, other):
+        publisher.open(job_id, 1, {"id": "chatcmpl-x", "created": 0, "model": "m"})  # type: ignore[arg-type]
+    ship(publisher, quiet, 1)  # its first event goes at once; nobody heard it
+    assert publisher.merge_seconds(quiet) > 0
+
+    for seq in (2, 3):
+        publisher.submit(quiet, {"id": f"1-{seq}", "type": "chunk", "data": {"n": seq}})
+    time.sleep(0.3)
+    assert _logged(r, quiet) == ["1-1"], "quiet events shipped before their gather time"
+    # Another job's first event (somebody may be listening) is not held: the quiet ones
+    # go with it.
+    publisher.submit(other, {"id": "1-1", "type": "chunk", "data": {}})
+    assert _until(lambda: _logged(r, other) == ["1-1"]) < 1.0
+    assert _logged(r, quiet) == ["1-1", "1-2", "1-3"]
+
+    # Left alone, quiet events ship once the gather time has passed.
+    publisher.submit(quiet, {"id": "1-4", "type": "chunk", "data": {}})
+    assert 1.0 < _until(lambda: len(_logged(r, quiet)) == 4) < 4.0
+
+    # A job's last event is never held, nor are the quiet events before it.
+    publisher.submit(quiet, {"id": "1-5", "type": "chunk", "data": {}})
+    publisher.submit(quiet, {"id": "1-6", "type": "end", "status": "succeeded"}, final=True)
+    assert _until(lambda: len(_logged(r, quiet)) == 6) < 1.0
