@@ -1,10 +1,11 @@
-"""A single job's insert (app/services/quotas.py): one pipelined round trip far from the cap
+"""A single job's insert (app/services/quotas.py): one round trip far from the cap
 (`Database.at_once`), the exclusive count near it, SQLAlchemy's statements with tracing on.
 Whichever path writes it, the row reads back the same; a broken connection or a failed
 statement leaves the pool usable. The cap's exactness under concurrency: test_limits.py."""
 
 from __future__ import annotations
 
+import json
 import secrets
 import socket
 from collections.abc import Iterator
@@ -105,6 +106,37 @@ def test_every_path_stores_the_same_row(db: Database, tenant: str, metadata: dic
     assert rows[0]["request"]["messages"][0]["content"] == "héllo \u2028 there"
 
 
+HOSTILE = "it's \\' \"q\" %(tenant_id)s %s $1 ?; DROP TABLE jobs; -- \x01 E'\\x' \U0001f600"
+
+
+def test_values_are_stored_exactly_whatever_they_hold(db: Database, tenant: str) -> None:
+    """Values are bound on this side into the one string: quotes, backslashes, placeholders
+    of either style, a statement separator and control characters are stored as sent, and
+    nothing in them runs. (A request may hold U+0000; metadata, stored as jsonb too, may
+    not: the API refuses it before any insert.)"""
+    hostile = row(
+        tenant,
+        request={"model": "api-only", "messages": [{"role": "user", "content": HOSTILE + "\u0000"}]},
+        metadata={"k": HOSTILE},
+        request_id=HOSTILE,
+        idempotency_key=HOSTILE,
+    )
+    insert_single_job(db, tenant, 10**6, hostile)
+    with db.reading() as s:
+        got = s.execute(
+            text(
+                "SELECT request::text AS request, metadata, request_id, idempotency_key "
+                "FROM jobs WHERE id = :id"
+            ),
+            {"id": hostile["id"]},
+        ).one()
+    assert json.loads(got.request)["messages"][0]["content"] == HOSTILE + "\u0000"
+    assert got.metadata == {"k": HOSTILE}
+    assert got.request_id == hostile["request_id"]
+    assert got.idempotency_key == hostile["idempotency_key"]
+    assert active(db, tenant) == 1
+
+
 def test_the_cap_holds_on_both_paths(db: Database, tenant: str) -> None:
     near = max_connections(db) + 2  # two places on the shared path, then exact counts
     for _ in range(near):
@@ -161,7 +193,7 @@ def test_a_failed_statement_rolls_back_and_leaves_the_connection_usable(db: Data
 
 
 def test_the_statements_are_one_transaction_after_a_read_in_autocommit(db: Database) -> None:
-    """The pool's one connection was just lent in autocommit (a poll's read): the pipelined
+    """The pool's one connection was just lent in autocommit (a poll's read): the one string's
     statements still run as one transaction, so a failure in the second undoes the first
     (and a lock taken by the first would hold for the second)."""
     with db.reading() as s:
@@ -181,21 +213,23 @@ def test_the_statements_are_one_transaction_after_a_read_in_autocommit(db: Datab
 def test_the_transaction_is_one_round_trip(
     db: Database, tenant: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """One sync for BEGIN, the statements and COMMIT (psycopg's own BEGIN in a pipeline syncs
-    at once, and so does its commit: three round trips); the connection goes back to the
-    pool out of autocommit, after a success and after a failure."""
-    from psycopg._pipeline_base import BasePipeline
+    """The lock and the insert go as one string, sent once and answered in one flight (the
+    pipeline mode used before waited on the socket once per statement); the connection goes
+    back to the pool out of autocommit, after a success and after a failure."""
+    sent: list[tuple[Any, Any]] = []
+    execute = psycopg.Cursor.execute
 
-    syncs = []
-    enqueue_sync = BasePipeline._enqueue_sync
+    def recorded(self: psycopg.Cursor[Any], query: Any, params: Any = None, **kw: Any) -> Any:
+        sent.append((query, params))
+        return execute(self, query, params, **kw)
 
-    def counted(self: Any) -> None:
-        syncs.append(1)
-        enqueue_sync(self)
-
-    monkeypatch.setattr(BasePipeline, "_enqueue_sync", counted)
+    monkeypatch.setattr(psycopg.Cursor, "execute", recorded)  # ClientCursor's too
     insert_single_job(db, tenant, 10**6, row(tenant))
-    assert len(syncs) == 1
+    assert len(sent) == 1
+    query, params = sent[0]
+    assert params is None
+    assert query.startswith("SELECT pg_advisory_xact_lock_shared(") and "; INSERT INTO jobs " in query
+    assert active(db, tenant) == 1
     with pytest.raises(IntegrityError):
         insert_single_job(db, "no-such-tenant", 10**6, row("no-such-tenant"))
     fairy = db.engine.raw_connection()
