@@ -1,6 +1,7 @@
 """B5 baseline: B5's streams through vLLM's AsyncLLM directly, in one process, at the same
 concurrency levels: each level's requests are started together, as B5's clients start
-theirs, and each token's arrival is timed as the caller of `generate` sees it.
+theirs, and each token's arrival is timed as the caller of `generate` sees it. A level runs
+as many rounds as B5 runs it (bench/load.py's `rounds`), so both p99s come from as many requests.
 
 Run as a script (vLLM on CPU spawns processes: the engine must be built under __main__).
 Prints one JSON line: {"n<level>": {"ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
@@ -19,10 +20,12 @@ import time
 from app.domain.prompts import ChatRenderer
 from app.schemas.chat import ChatCompletionV2Request
 from bench.b1_direct import start_direct, warm_up
-from bench.load import pct
+from bench.load import pct, rounds
 
 
-async def main(model: str, levels: list[int], max_tokens: int, content: str) -> dict[str, dict[str, float]]:
+async def main(
+    model: str, levels: list[int], max_tokens: int, content: str, samples: int
+) -> dict[str, dict[str, float]]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
@@ -47,7 +50,9 @@ async def main(model: str, levels: list[int], max_tokens: int, content: str) -> 
     await warm_up(llm, prompt_ids, "b5")
     figures: dict[str, dict[str, float]] = {}
     for n in levels:
-        runs = await asyncio.gather(*(one() for _ in range(n)))
+        runs = []
+        for _ in range(rounds(n, samples)):
+            runs += await asyncio.gather(*(one() for _ in range(n)))
         ttft = [(t[1] - t[0]) * 1e3 for t in runs if len(t) > 1]
         itl = [(b - a) * 1e3 for t in runs for a, b in itertools.pairwise(t[1:])]
         figures[f"n{n}"] = {
@@ -66,6 +71,8 @@ if __name__ == "__main__":
     p.add_argument("--levels", required=True, help="comma-separated stream counts")
     p.add_argument("--max-tokens", type=int, required=True)
     p.add_argument("--content", required=True, help="the user message B5's requests send")
+    p.add_argument("--samples", type=int, default=1, help="requests each level's p99 is read from, at least")
     a = p.parse_args()
-    result = asyncio.run(main(a.model, [int(x) for x in a.levels.split(",")], a.max_tokens, a.content))
+    levels = [int(x) for x in a.levels.split(",")]
+    result = asyncio.run(main(a.model, levels, a.max_tokens, a.content, a.samples))
     print(json.dumps(result), flush=True)

@@ -3,7 +3,9 @@
 For 1, 16 and 64 concurrent streams (`stream: true` on /v1/chat/completions, tiny model):
 - time to first chunk against the baseline the issue names: the same requests through
   vLLM's AsyncLLM directly, at the same concurrency, in the same run (bench/b5_direct.py);
-  added = the client's p99 − the direct caller's p99 time to first token;
+  added = the client's p99 − the direct caller's p99 time to first token. Each level runs
+  `load.rounds` times one after the other on both sides (32 rounds of one stream, 3 of 16 or
+  64), so that a p99 is read from 32 requests or more, not from one;
 - added time to first chunk per job = a client's time to first chunk − that job's own
   engine time to first token (from its generation stats), so it holds API, queue, claim
   and delivery whatever the engine did;
@@ -32,9 +34,11 @@ from app.connections import ADMIN_POOL
 from app.db import Database
 from bench import cpu
 from bench.common import save, script_json, service, submit_all, wait_done
-from bench.load import pct
+from bench.load import pct, rounds
 
 PROMPT = "stream please"
+# Requests a level's p99 is read from, at least (bench/load.py's `rounds`, on both sides).
+SAMPLES = 32
 
 
 def direct_run(model: str, levels: tuple[int, ...], max_tokens: int) -> dict[str, dict[str, float]]:
@@ -42,7 +46,7 @@ def direct_run(model: str, levels: tuple[int, ...], max_tokens: int) -> dict[str
     figures: dict[str, dict[str, float]] = script_json(
         "bench.b5_direct",
         *("--model", model, "--levels", ",".join(map(str, levels))),
-        *("--max-tokens", str(max_tokens), "--content", PROMPT),
+        *("--max-tokens", str(max_tokens), "--content", PROMPT, "--samples", str(SAMPLES)),
     )
     return figures
 
@@ -173,8 +177,10 @@ def run(
         wait_done(stack, submit_all(stack, [warm] * (4 * stack.settings.api_workers)))
         asyncio.run(streams_at(stack.base_url, stack.api_key, served, 1, 8))
         for n in levels:
+            results = []
             with cpu.measure(stack) as use:
-                results = asyncio.run(streams_at(stack.base_url, stack.api_key, served, n, max_tokens))
+                for _ in range(rounds(n, SAMPLES)):
+                    results += asyncio.run(streams_at(stack.base_url, stack.api_key, served, n, max_tokens))
             figures = measure(results, db)
             base = direct[f"n{n}"]
             out[f"n{n}"] = {
@@ -182,7 +188,8 @@ def run(
                 "direct_ttft_p99_ms": base["ttft_p99_ms"],
                 "added_vs_direct_p99_ms": round(figures["ttfc_p99_ms"] - base["ttft_p99_ms"], 2),
                 "direct_itl_p99_ms": base["itl_p99_ms"],
-                "cpu_ms_per_job": use.per_unit_ms(n),
+                "requests": len(results),
+                "cpu_ms_per_job": use.per_unit_ms(len(results)),
             }
         db.dispose()
         worker = stack.procs["worker"]

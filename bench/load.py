@@ -103,3 +103,9 @@ def run(make: Callable[[], Callable[[], int]], clients: int, seconds: float, war
     for t in threads:
         t.join()
     return load
+
+
+def rounds(n: int, samples: int) -> int:
+    """How many rounds of `n` concurrent requests give at least `samples` requests (three at
+    least): a p99 read from one round of one request is that request."""
+    return max(3, -(-samples // n))
