@@ -60,9 +60,10 @@ def test_a_wait_that_returns_early_runs_the_next_round_early_but_not_sooner_than
         wait=wait,
         min_interval=0.2,
     )
+    # Before the thread starts: its pause's own clock starts after this one, never before.
+    started = time.monotonic()
     periodic.start()
     try:
-        started = time.monotonic()
         woken.set()
         wait_until(lambda: rounds)
         assert rounds[0] - started >= 0.2  # the floor
