@@ -24,6 +24,8 @@ from app.request_ids import MESSAGE_HEADER
 from app.settings import Settings
 
 if TYPE_CHECKING:  # app.liveness reads the names below
+    from redis import Redis
+
     from app.liveness import Liveness
 
 RUN_JOB_TASK = "llmq.run_job"
@@ -49,6 +51,19 @@ def broker_priority(job_priority: int, *, batch_line: bool = False) -> int:
     """Map a request `priority` (lower runs earlier, default 0) onto the broker's 0..9."""
     base = BATCH_LINE_BASE if batch_line else SINGLE_JOB_BASE
     return max(0, min(9, base + job_priority))
+
+
+# The batch feeder's wake-up list (worker/batches.py): one element at most.
+WAKE_KEY = "llmq:batches:wake"
+
+
+def wake_feeder(redis: Redis[bytes]) -> None:
+    """The batch feeder's next round runs now, not at its tick: a worker freed job slots,
+    or the API created a batch (one round trip, never blocks)."""
+    pipe = redis.pipeline(transaction=False)
+    pipe.lpush(WAKE_KEY, b"1")
+    pipe.ltrim(WAKE_KEY, 0, 0)
+    pipe.execute()
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:

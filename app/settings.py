@@ -159,6 +159,11 @@ class Settings(BaseSettings):
         default=None, ge=1, description="Optional ceiling on batch lines out per model; unset: none."
     )
     batch_tick_seconds: float = Field(default=0.2, gt=0, description="How often the batch feeder runs.")
+    batch_idle_tick_seconds: float = Field(
+        default=1.0,
+        gt=0,
+        description="How often the batch feeder looks while no batch is active (a new one wakes it at once).",
+    )
 
     # Templates and tools.
     allow_custom_chat_template: bool = Field(

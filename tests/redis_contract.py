@@ -208,6 +208,12 @@ class CountingLifecycle:
 
     def __init__(self) -> None:
         self.rounds: list[float] = []
+        self.active = True  # any_active's answer
+        self.probes = 0
+
+    def any_active(self) -> bool:
+        self.probes += 1
+        return self.active
 
     def feed(self) -> Any:
         self.rounds.append(time.monotonic())
@@ -222,7 +228,8 @@ class CountingLifecycle:
 
 
 def test_a_chunk_ending_wakes_the_feeder_before_its_tick(r: Redis[bytes]) -> None:
-    from worker.batches import WAKE_KEY, BatchScheduler, wake_feeder
+    from app.queue import WAKE_KEY, wake_feeder
+    from worker.batches import BatchScheduler
 
     lifecycle = CountingLifecycle()
     lock = LeaseLock(r, "batches-test", "w1", lease_seconds=5)
@@ -245,8 +252,39 @@ def test_a_chunk_ending_wakes_the_feeder_before_its_tick(r: Redis[bytes]) -> Non
         assert scheduler.join(3)
 
 
+def test_with_no_batch_active_a_round_is_one_probe_and_the_next_waits_the_idle_tick(r: Redis[bytes]) -> None:
+    """Idle, a round asks whether any batch is active and stops there (no look for owed
+    lines, no batch to end), and the next waits the idle tick, not the tick, unless a
+    wake-up (a batch created) comes first; then rounds feed at the tick again."""
+    from app.queue import wake_feeder
+    from worker.batches import BatchScheduler
+
+    lifecycle = CountingLifecycle()
+    lifecycle.active = False
+    lock = LeaseLock(r, "batches-idle-test", "w1", lease_seconds=5)
+    scheduler = BatchScheduler(lock, lifecycle, tick_seconds=0.05, idle_tick_seconds=5.0, redis=r)  # type: ignore[arg-type]
+    scheduler.start()
+    try:
+        deadline = time.monotonic() + 3
+        while lifecycle.probes < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.5)  # ten ticks, well short of the idle tick
+        assert lifecycle.probes == 1 and lifecycle.rounds == []
+        lifecycle.active = True
+        woken = time.monotonic()
+        wake_feeder(r)
+        deadline = time.monotonic() + 3
+        while len(lifecycle.rounds) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(lifecycle.rounds) >= 3 and lifecycle.rounds[0] - woken < 1.0  # then at the tick
+    finally:
+        scheduler.stop()
+        wake_feeder(r)
+        assert scheduler.join(3)
+
+
 def test_wake_ups_nobody_took_coalesce_into_one(r: Redis[bytes]) -> None:
-    from worker.batches import WAKE_KEY, wake_feeder
+    from app.queue import WAKE_KEY, wake_feeder
 
     for _ in range(5):
         wake_feeder(r)

@@ -21,7 +21,7 @@ from app.domain.prompts import ChatRenderer
 from app.events import JobEvents
 from app.liveness import Liveness
 from app.periodic import Periodic
-from app.queue import JobQueue, create_producer
+from app.queue import JobQueue, create_producer, wake_feeder
 from app.services.addresses import system_resolver
 from app.services.batch_export import BatchExports
 from app.services.batch_lifecycle import BatchLifecycle
@@ -32,7 +32,7 @@ from app.services.object_store import store_from_settings
 from app.services.sandbox import ConstraintSandbox
 from app.services.webhook_delivery import DeliveryConfig, WebhookDeliverer
 from app.settings import Settings
-from worker.batches import BatchScheduler, wake_feeder
+from worker.batches import BatchScheduler
 from worker.control import CancelListener, LeaseKeeper, Presence, RegistryHeartbeat
 from worker.engine import Engine, InstantEngine
 from worker.expiry import ExpiryTask
@@ -196,6 +196,7 @@ class WorkerRuntime:
                 cold_window=settings.batch_cold_window,
             ),
             tick_seconds=settings.batch_tick_seconds,
+            idle_tick_seconds=settings.batch_idle_tick_seconds,
             redis=self.redis,
         )
         self.expiry = ExpiryTask(

@@ -31,6 +31,12 @@ from app.services.webhook_outbox import Event
 log = logging.getLogger("llmq.batches")
 
 CAPACITY_TTL_SECONDS = 2.0
+# Whether any batch may still need the scheduler: one probe of the partial index
+# ix_batches_active (its predicate, word for word, so the planner uses it).
+ANY_ACTIVE = text(
+    "SELECT EXISTS (SELECT 1 FROM batches "
+    "WHERE status IN ('validating','in_progress','cancelling','finalizing'))"
+)
 
 
 @dataclass
@@ -88,6 +94,13 @@ class BatchLifecycle:
 
     def window(self, model: str) -> int:
         return self.plan(model).window
+
+    def any_active(self) -> bool:
+        """Whether any batch is validating, in progress, cancelling or finalizing. When
+        none is, no line is owed (a line waits only in such a batch) and nothing is due to
+        end or finalize: a scheduler's round stops at this one read."""
+        with self._db.reading() as s:
+            return bool(s.scalar(ANY_ACTIVE))
 
     def feed(self) -> FeedReport:
         """Send waiting batch lines to the broker while fewer than `window` lines per model

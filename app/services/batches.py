@@ -115,10 +115,12 @@ class BatchService:
         batch_token_budget: int = 0,
         submitted: Callable[[str, str, int], None] | None = None,
         inputs: ObjectInputs | None = None,
+        created: Callable[[], None] | None = None,
     ) -> None:
         """`batch_token_budget`: the default per tenant and model (app/services/budgets.py).
         `submitted(model, kind, count)` is told of the lines of each batch created (app/metrics.py).
-        `inputs`: reads s3:// inputs and checks s3:// outputs (app/services/object_inputs.py)."""
+        `inputs`: reads s3:// inputs and checks s3:// outputs (app/services/object_inputs.py).
+        `created()` is called once a batch's lines are jobs (the API wakes the batch feeder)."""
         self._db = db
         self._events = events
         self._inputs = inputs
@@ -127,6 +129,7 @@ class BatchService:
         self._max_active_lines = max_active_lines_per_tenant
         self._token_budget = batch_token_budget
         self._submitted = submitted
+        self._created = created
         self._counts = BatchCounts()
 
     # --- create -------------------------------------------------------------------------
@@ -279,6 +282,8 @@ class BatchService:
         log.info(
             "batch created", extra={"batch_id": batch.id, "lines": batch.total, "tenant": principal.tenant_id}
         )
+        if self._created is not None:
+            self._created()
         created = self.get(principal, batch.id)
         if self._submitted is not None and created.model is not None:
             self._submitted(created.model, "batch_line", batch.total)

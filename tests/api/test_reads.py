@@ -12,9 +12,12 @@ import pytest
 from flask.testing import FlaskClient
 from sqlalchemy import event, text
 
+from app.connections import ADMIN_POOL
 from app.container import Services
+from app.db import Database
+from app.queue import WAKE_KEY
 from app.services.batch_lifecycle import BatchLifecycle
-from tests.helpers import auth
+from tests.helpers import Stores, auth, create, fresh_database, jsonl, line, upload
 
 
 @pytest.fixture
@@ -66,3 +69,24 @@ def test_the_feeders_look_for_owed_lines_is_one_read_in_autocommit(
     room, so nothing is taken or sent whatever other tests left owed)."""
     BatchLifecycle(services.db, services.queue, services.events, window=0, chunk=8).feed()
     assert statements and statements[0] == ("WITH", True), statements
+
+
+def test_the_feeders_idle_probe_is_one_read_and_sees_an_active_batch(
+    client: FlaskClient, services: Services, stores: Stores, statements: list[tuple[str, bool]]
+) -> None:
+    """A round with no batch active stops at `any_active`: one SELECT in autocommit, false
+    on a database without batches and true once one is in progress; creating the batch
+    woke the feeder."""
+    fresh = Database.from_url(fresh_database(stores), ADMIN_POOL)
+    try:
+        assert BatchLifecycle(fresh, services.queue, services.events, chunk=8).any_active() is False
+    finally:
+        fresh.dispose()
+    key = services.keys.create_key(f"tenant-idle-{secrets.token_hex(3)}")
+    file_id = upload(client, key, jsonl([line(0, model="api-only")])).get_json()["id"]
+    services.redis.delete(WAKE_KEY)
+    assert create(client, key, file_id).status_code == 200  # no worker serves api-only: it stays in progress
+    assert services.redis.llen(WAKE_KEY) == 1  # the feeder is woken, not left to its idle tick
+    statements.clear()
+    assert BatchLifecycle(services.db, services.queue, services.events, chunk=8).any_active() is True
+    assert statements == [("SELECT", True)]
