@@ -223,6 +223,9 @@ class CountingLifecycle:
     def expire_due(self) -> int:
         return 0
 
+    def end_left_lines(self) -> int:
+        return 0
+
     def finalize_done(self) -> int:
         return 0
 
@@ -277,6 +280,8 @@ def test_with_no_batch_active_a_round_is_one_probe_and_the_next_waits_the_idle_t
         while len(lifecycle.rounds) < 3 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert len(lifecycle.rounds) >= 3 and lifecycle.rounds[0] - woken < 1.0  # then at the tick
+        # While active, the question is asked once a second, not in every round.
+        assert lifecycle.probes <= 2 + (time.monotonic() - woken) + 1
     finally:
         scheduler.stop()
         wake_feeder(r)

@@ -8,13 +8,13 @@ schedulers wait on (BLPOP); a wake-up taken by a scheduler that does not hold th
 lost, and the tick still comes.
 
 While no batch is active (none validating, in progress, cancelling or finalizing), nothing
-can be owed or due: a round is one read (`any_active`), and the next comes after
-`idle_tick_seconds` instead of the tick, unless a wake-up comes first; a scheduler that does
-not hold the lock waits as long. An idle worker's feeder thread went from 10.3 ms of CPU a
-second (five rounds, each a look for owed lines, and four batch queries a second) to 2.3
-ms, the whole worker from 18.7 to 14.0 (30 s each, per-thread CPU from /proc). In a fleet
-a new batch may wait out that idle tick when its wake-up was taken by a scheduler that does
-not hold the lock."""
+can be owed or due: a round is one read (`any_active`, asked after an idle round and once a
+second while batches are active), and the next comes after `idle_tick_seconds` instead of
+the tick, unless a wake-up comes first; a scheduler that does not hold the lock waits as
+long. An idle worker's feeder thread went from 10.3 ms of CPU a second (five rounds, each a
+look for owed lines, and four batch queries a second) to 2.3 ms, the whole worker from 18.7
+to 14.0 (30 s each, per-thread CPU from /proc). In a fleet a new batch may wait out that
+idle tick when its wake-up was taken by a scheduler that does not hold the lock."""
 
 from __future__ import annotations
 
@@ -64,16 +64,21 @@ class BatchScheduler:
         self._idle = False  # the last round held no lock or found no batch active
 
     def tick(self) -> None:
-        self._idle = True
+        idle, self._idle = self._idle, True
         with self._lock.hold() as mine:
-            if not mine or not self._lifecycle.any_active():
+            if not mine:
+                return
+            now = time.monotonic()
+            finalize = now - self._last_finalize >= FINALIZE_EVERY_SECONDS
+            # Whether a batch is active is asked after an idle round and with each round that
+            # finalizes (once a second), not in the rounds between, woken as chunks end.
+            if (idle or finalize) and not self._lifecycle.any_active():
                 return
             self._idle = False
             fed = self._lifecycle.feed()
             if fed.lines:
                 log.debug("batch lines sent", extra={"lines": fed.lines, "messages": fed.messages})
-            now = time.monotonic()
-            if now - self._last_finalize >= FINALIZE_EVERY_SECONDS:
+            if finalize:
                 self._last_finalize = now
                 self._lifecycle.resume_validating()
                 self._lifecycle.expire_due()
