@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from redis import Redis
-from redis.exceptions import RedisError
 
 from app.connections import api_pool, quick_redis_client, redis_client
 from app.db import Database
@@ -181,7 +180,7 @@ def build_services(settings: Settings, *, s3_client: Callable[[], Any] | None = 
         batch_token_budget=settings.batch_token_budget,
         submitted=api_metrics.count_submitted,
         inputs=ObjectInputs(store, files, settings),
-        created=lambda: _wake_feeder(redis),
+        created=lambda: wake_feeder(redis),
     )
     text_completions = TextCompletionService(
         jobs, streams, completion_policy, wait_seconds=settings.sync_wait_seconds
@@ -242,12 +241,3 @@ def build_services(settings: Settings, *, s3_client: Callable[[], Any] | None = 
         tokenizers=tokenizers,
         api_metrics=api_metrics,
     )
-
-
-def _wake_feeder(redis: Redis[bytes]) -> None:
-    """A batch was created: the feeder sends its first lines now, not at its next tick
-    (which still comes if this is lost)."""
-    try:
-        wake_feeder(redis)
-    except RedisError as exc:
-        log.debug("feeder wake-up not sent", extra={"error": type(exc).__name__})

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import logging
 import os
 import re
 import uuid
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery import Celery
 from celery.utils.saferepr import saferepr
+from redis.exceptions import RedisError
 
 from app import tracing
 from app.request_ids import MESSAGE_HEADER
@@ -27,6 +29,8 @@ if TYPE_CHECKING:  # app.liveness reads the names below
     from redis import Redis
 
     from app.liveness import Liveness
+
+log = logging.getLogger("llmq.queue")
 
 RUN_JOB_TASK = "llmq.run_job"
 RUN_JOBS_TASK = "llmq.run_jobs"
@@ -59,11 +63,15 @@ WAKE_KEY = "llmq:batches:wake"
 
 def wake_feeder(redis: Redis[bytes]) -> None:
     """The batch feeder's next round runs now, not at its tick: a worker freed job slots,
-    or the API created a batch (one round trip, never blocks)."""
+    or the API created a batch (one round trip, never blocks, never raises: a wake-up lost
+    to a Redis error only leaves the feeder to its tick)."""
     pipe = redis.pipeline(transaction=False)
     pipe.lpush(WAKE_KEY, b"1")
     pipe.ltrim(WAKE_KEY, 0, 0)
-    pipe.execute()
+    try:
+        pipe.execute()
+    except RedisError as exc:
+        log.debug("feeder wake-up not sent", extra={"error": type(exc).__name__})
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:

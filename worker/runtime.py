@@ -13,8 +13,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from redis.exceptions import RedisError
-
 from app.connections import WEBHOOK_POOL, redis_client, worker_pool
 from app.db import Database
 from app.domain.prompts import ChatRenderer
@@ -244,10 +242,7 @@ class WorkerRuntime:
 
     def wake_feeder(self) -> None:
         """A chunk of batch lines ended: the feeder sends the next lines now."""
-        try:
-            wake_feeder(self.redis)
-        except RedisError as exc:  # the feeder's tick comes anyway
-            log.debug("feeder wake-up not sent", extra={"error": type(exc).__name__})
+        wake_feeder(self.redis)
 
     def _leader_lock(self, name: str) -> LeaseLock:
         """Taken over from a holder whose presence lapsed, not only when its lease ends."""
