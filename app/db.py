@@ -11,7 +11,7 @@ from typing import Any
 import psycopg
 import sqlalchemy
 from psycopg.pq import TransactionStatus
-from sqlalchemy import Connection, Engine
+from sqlalchemy import Connection, Engine, TextClause
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import ConnectionPoolEntry, QueuePool
@@ -170,6 +170,8 @@ class Database:
         self._capacity = capacity
         self._spare_wait = spare_wait_seconds
         self._returned = threading.Condition()
+        # `returning`'s statements (by their text), compiled once to the driver's SQL.
+        self._compiled: dict[str, str] = {}
         if capacity is not None:
             sqlalchemy.event.listen(engine.pool, "checkin", self._on_checkin)
 
@@ -237,25 +239,55 @@ class Database:
                 for sql, params in statements:
                     rowcount = traced.exec_driver_sql(sql, params).rowcount
             return rowcount
+        with self._autocommit(*statements[-1]) as conn:
+            cursor = psycopg.ClientCursor(conn)
+            # Each statement bound alone (their parameter names may repeat), then sent
+            # as one string without parameters: nothing in it is read as a placeholder.
+            cursor.execute("; ".join(cursor.mogrify(query, values) for query, values in statements))
+            rowcount = cursor.rowcount
+            while cursor.nextset():
+                rowcount = cursor.rowcount
+            return rowcount
+
+    def returning(self, statement: TextClause, params: Mapping[str, Any]) -> list[tuple[Any, ...]]:
+        """Run one statement that is a whole transaction by itself (a worker's claim, its
+        result write) and return its rows, as tuples.
+
+        As `one_statement` runs it (autocommit: no BEGIN, no COMMIT), but on the pooled
+        connection's psycopg cursor, not through a Session and its Result: on this machine
+        the worker's CPU for a one-row claim went from 0.32 to 0.15 ms, twice per job. The
+        statement is compiled once to psycopg's placeholders; psycopg binds the values and,
+        unless a transaction pooler is in front, prepares it on the server after 5 runs, as
+        it does under SQLAlchemy. With tracing on it goes through `one_statement`, for its span.
+
+        Raises:
+            sqlalchemy.exc.DBAPIError: as SQLAlchemy's own execute would.
+        """
+        if tracing.enabled():
+            with self.one_statement() as s:
+                return [tuple(row) for row in s.execute(statement, params)]
+        sql = self._compiled.get(statement.text)
+        if sql is None:
+            sql = self._compiled[statement.text] = str(statement.compile(dialect=self.engine.dialect))
+        with self._autocommit(sql, params) as conn, conn.cursor() as cursor:
+            cursor.execute(sql, params)
+            return cursor.fetchall() if cursor.description is not None else []
+
+    @contextmanager
+    def _autocommit(self, sql: str, params: Mapping[str, Any]) -> Iterator[psycopg.Connection[Any]]:
+        """A pooled connection's psycopg connection in autocommit, for one use; a driver
+        error comes out as SQLAlchemy's (`sql` and `params` are what it names, hidden)."""
         fairy = self.engine.raw_connection()
         conn = fairy.driver_connection
         assert isinstance(conn, psycopg.Connection)
-        sql, params = statements[-1]
         try:
             conn.autocommit = True
             try:
-                cursor = psycopg.ClientCursor(conn)
-                # Each statement bound alone (their parameter names may repeat), then sent
-                # as one string without parameters: nothing in it is read as a placeholder.
-                cursor.execute("; ".join(cursor.mogrify(query, values) for query, values in statements))
-                rowcount = cursor.rowcount
-                while cursor.nextset():
-                    rowcount = cursor.rowcount
-                return rowcount
+                yield conn
             finally:
                 if not (conn.broken or conn.closed):
                     if conn.info.transaction_status != TransactionStatus.IDLE:
-                        conn.rollback()  # one string leaves none open; if one is, it goes
+                        conn.rollback()  # autocommit leaves none open; if one is, it goes
                     conn.autocommit = False
         except psycopg.Error as exc:
             if conn.broken or conn.closed:

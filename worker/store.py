@@ -180,9 +180,7 @@ class JobStore:
             "max_attempts": max_attempts,
             "max_request": max_request_bytes,
         }
-        with self._db.one_statement() as s:
-            rows = s.execute(_CLAIM, params).all()
-        by_id = {r.id: Claim(r.id, *r[1:]) for r in rows}
+        by_id = {row[0]: Claim(*row) for row in self._db.returning(_CLAIM, params)}
         return [by_id[j] for j in job_ids if j in by_id]
 
     def claim(self, job_id: str, owner: str, lease_seconds: float, max_attempts: int) -> Claim | None:
@@ -212,8 +210,7 @@ class JobStore:
             for r in results
         ]
         params = {"rows": json.dumps(rows, separators=(",", ":")), "ids": [r.job_id for r in results]}
-        with self._db.one_statement() as s:
-            return {row.id for row in s.execute(_FINISH, params)}
+        return {row[0] for row in self._db.returning(_FINISH, params)}
 
     def extend_leases(self, owner: str, lease_seconds: float) -> dict[str, tuple[int, bool]]:
         """Extend every lease `owner` holds; returns {job_id: (epoch, cancel_requested)}.
