@@ -6,12 +6,11 @@ are published only after Postgres accepted the results."""
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
@@ -153,6 +152,10 @@ class Run:
     constraint_key: str | None = None  # set when the job has a structured-output constraint
     span: tracing.Span | None = None  # the job's time in the engine, when traced
     claimed: float = 0.0  # time.monotonic() when the claim returned
+
+
+# Runs handed back from the loop as they end, each with what escaped it (see _drive_all).
+EndedRuns = queue.SimpleQueue[tuple[Run, BaseException | None]]
 
 
 class JobRunner:
@@ -306,18 +309,28 @@ class JobRunner:
                 )
             statuses.update(self._end([r for r in runs if r.tr is None], give))
             # Each line is stored as it ends (lines ending together share one write), so a
-            # short line never waits for the longest of its chunk, nor holds its slot.
-            driving = {self._loop.submit(self._drive(r)): r for r in ready}
-            while driving:
-                done, rest = concurrent.futures.wait(driving, return_when=FIRST_COMPLETED)
-                if rest:
-                    done |= concurrent.futures.wait(rest, timeout=SAVE_TOGETHER_SECONDS)[0]
-                for future in done:
-                    future.result()
-                ended = [driving.pop(future) for future in done]
-                for r in ended:
+            # short line never waits for the longest of its chunk, nor holds its slot. One
+            # coroutine drives the chunk's runs on the loop and hands each back as it ends:
+            # one hand-over between threads a chunk, not a future (and its waiters) a line.
+            ended_runs: EndedRuns = queue.SimpleQueue()
+            driver = self._loop.submit(self._drive_all(ready, ended_runs)) if ready else None
+            left = len(ready)
+            while left:
+                ended = [ended_runs.get()]
+                deadline = time.monotonic() + SAVE_TOGETHER_SECONDS
+                while len(ended) < left and (wait := deadline - time.monotonic()) > 0:
+                    try:
+                        ended.append(ended_runs.get(timeout=wait))
+                    except queue.Empty:
+                        break
+                left -= len(ended)
+                for r, error in ended:
+                    if error is not None:
+                        raise error
                     self._conclude(r)
-                statuses.update(self._end(ended, give))
+                statuses.update(self._end([r for r, _ in ended], give))
+            if driver is not None:
+                driver.result()  # every run has ended: it is done, or a moment from it
         finally:
             with self._lock:
                 for job_id in items:
@@ -392,6 +405,20 @@ class JobRunner:
         run.item = item
         run.outcome = Outcome(run.tr.spec.n)
         return run
+
+    async def _drive_all(self, runs: list[Run], ended: EndedRuns) -> None:
+        """Drive `runs` together on the loop, each put in `ended` when it ends (with what
+        escaped it: only what is not an Exception, such as a cancellation)."""
+
+        async def one(run: Run) -> None:
+            try:
+                await self._drive(run)
+            except BaseException as exc:
+                ended.put((run, exc))
+                raise
+            ended.put((run, None))
+
+        await asyncio.gather(*(one(r) for r in runs), return_exceptions=True)
 
     async def _drive(self, run: Run) -> None:
         assert run.tr is not None and run.outcome is not None and run.item is not None

@@ -190,6 +190,48 @@ def test_a_chunk_runs_together_and_one_bad_line_fails_alone(loop: LoopThread) ->
     assert sorted(j for j, _ in streams.ended) == [f"job_{i}" for i in range(6)]
 
 
+class WritesRecorded(FakeStore):
+    """Records each result write: the job ids it held."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[set[str]] = []
+
+    def finish_many(self, results):  # type: ignore[no-untyped-def]
+        self.writes.append({r.job_id for r in results})
+        return super().finish_many(results)
+
+
+def test_a_chunks_short_lines_are_stored_together_while_its_long_ones_still_run(
+    loop: LoopThread, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One hand-over to the loop a chunk; each line is written as it ends, lines ending
+    together in one write, and a short line's result is stored (its slot back) while the
+    chunk's long lines still generate."""
+    store, streams = WritesRecorded(), FakeStreams()
+    short, long = [f"job_s{i}" for i in range(4)], [f"job_l{i}" for i in range(2)]
+    for job_id in short:
+        store.add(job_id, body(max_tokens=1))
+    for job_id in long:
+        store.add(job_id, body(max_tokens=60))
+    runner = fake_runner(
+        store, loop, engine=InstantEngine(delay=0.01), streams=streams, fingerprint="fp_test", max_inflight=8
+    )
+    submitted: list[object] = []
+    submit = loop.submit
+    monkeypatch.setattr(loop, "submit", lambda coro: submitted.append(coro) or submit(coro))
+    statuses: dict[str, str | None] = {}
+    chunk = threading.Thread(target=lambda: statuses.update(runner.run_many(short + long, batch=True)))
+    chunk.start()
+    wait_until(lambda: all(store.jobs[j]["status"] == "succeeded" for j in short))
+    assert all(store.jobs[j]["status"] == "running" for j in long)
+    chunk.join(10)
+    assert statuses == dict.fromkeys(short + long, "succeeded")
+    assert len(submitted) == 1
+    assert store.writes[0] == set(short)
+    assert set().union(*store.writes[1:]) == set(long)
+
+
 class CountingEngine(InstantEngine):
     """Counts the requests inside the engine at once (all on the loop thread)."""
 
