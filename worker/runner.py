@@ -443,7 +443,9 @@ class JobRunner:
                     await asyncio.sleep(outcome.merge_pause(pause, spec.sampling.get("max_tokens")))
 
         try:
-            await asyncio.wait_for(generate(), self._config.job_timeout_seconds)
+            # In this task (wait_for would run it in a task of its own): one timer, no task.
+            async with asyncio.timeout(self._config.job_timeout_seconds):
+                await generate()
         except TimeoutError as exc:
             await self._engine.abort(run.tr.spec.request_id)
             outcome.error = exc

@@ -197,11 +197,13 @@ def fake_runner(
         FakeStreams() if streams is None else streams,
         RunnerConfig(
             name,
-            lease_seconds=30,
-            max_attempts=3,
-            job_timeout_seconds=30,
-            system_fingerprint=fingerprint,
-            **config,
+            **{
+                "lease_seconds": 30,
+                "max_attempts": 3,
+                "job_timeout_seconds": 30,
+                "system_fingerprint": fingerprint,
+                **config,
+            },
         ),
         constraints=constraints,
     )

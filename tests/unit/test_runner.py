@@ -190,6 +190,32 @@ def test_a_chunk_runs_together_and_one_bad_line_fails_alone(loop: LoopThread) ->
     assert sorted(j for j, _ in streams.ended) == [f"job_{i}" for i in range(6)]
 
 
+class AbortsRecorded(InstantEngine):
+    def __init__(self, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(**kwargs)
+        self.aborts: list[str] = []
+
+    async def abort(self, request_id: str) -> None:
+        self.aborts.append(request_id)
+        await super().abort(request_id)
+
+
+def test_a_job_past_its_deadline_fails_alone_and_is_aborted_in_the_engine(loop: LoopThread) -> None:
+    store, streams = FakeStore(), FakeStreams()
+    store.add("job_slow", body(max_tokens=1000))
+    store.add("job_quick", body(max_tokens=2))
+    engine = AbortsRecorded(delay=0.01)  # 10 s for the slow one
+    runner = fake_runner(store, loop, engine=engine, streams=streams, job_timeout_seconds=0.3)
+    started = time.monotonic()
+    assert runner.run_many(["job_slow", "job_quick"]) == {"job_slow": "failed", "job_quick": "succeeded"}
+    assert 0.3 <= time.monotonic() - started < 3
+    error = store.jobs["job_slow"]["error"]["error"]
+    assert (error["code"], error["type"]) == ("timeout", "timeout")
+    assert error["message"].startswith("the job ran past its deadline")
+    assert engine.aborts == ["job_slow-1"]
+    assert sorted(j for j, _ in streams.ended) == ["job_quick", "job_slow"]
+
+
 class WritesRecorded(FakeStore):
     """Records each result write: the job ids it held."""
 
