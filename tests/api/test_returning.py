@@ -146,6 +146,7 @@ def test_with_tracing_on_the_statement_has_its_span(stores: Stores, db: Database
         traced = open_db(stores)  # instrumented: created after the setup, as in a traced process
         try:
             assert traced.returning(INSERT, {"t": tenant, "name": "traced"}) == [(tenant, "traced", True)]
+            assert traced.returning(RENAME, {"t": tenant, "name": "traced again"}) == []
         finally:
             traced.dispose()
     finally:
@@ -153,4 +154,27 @@ def test_with_tracing_on_the_statement_has_its_span(stores: Stores, db: Database
         provider.shutdown()
     statements = [str(span.attributes.get("db.statement", "")) for span in exporter.get_finished_spans()]
     assert any(s.startswith("INSERT INTO tenants") for s in statements), statements
-    assert name_of(db, tenant) == "traced"
+    assert name_of(db, tenant) == "traced again"
+
+
+def closed_port() -> int:
+    """A port nothing listens on (bound for a moment, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_a_database_that_cannot_be_reached_raises_sqlalchemys_error(stores: Stores) -> None:
+    """Postgres down when the pool opens a connection (a restart under way): SQLAlchemy's
+    OperationalError, as its own execute raises it, which the worker's write retries catch,
+    for `returning` and for `at_once` alike."""
+    db = Database.from_url(
+        f"postgresql://postgres@127.0.0.1:{closed_port()}/postgres", PoolSize(pool=1, overflow=0)
+    )
+    try:
+        with pytest.raises(OperationalError):
+            db.returning(RENAME, {"t": "nobody", "name": "n"})
+        with pytest.raises(OperationalError):
+            db.at_once([("SELECT 1", {})])
+    finally:
+        db.dispose()
