@@ -10,6 +10,7 @@ import io
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -22,11 +23,17 @@ from typing import Any
 import httpx
 import openai
 import psutil
+import psycopg
 import redis
 from flask.testing import FlaskClient
 from openai.types import Batch as SdkBatch
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from app import tracing
 from app.cli.embedded import free_port
+from app.db import Database
 from app.schemas.chat import ChatCompletionV2Request
 from app.schemas.completion import ChatCompletion, TextCompletion
 from app.schemas.jobs import JobObject
@@ -62,6 +69,50 @@ class Stores:
     @property
     def admin_url(self) -> str:
         return self.direct_url or self.database_url
+
+
+@contextlib.contextmanager
+def tracing_on() -> Iterator[InMemorySpanExporter]:
+    """Tracing on for the block (database engines created inside it are instrumented, as in a
+    traced process); the exporter it yields keeps the finished spans."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    assert tracing.setup(Settings(otel=True), service="llmq-test", provider=provider) is provider
+    try:
+        yield exporter
+    finally:
+        tracing.teardown()
+        provider.shutdown()
+
+
+def statements_of(exporter: InMemorySpanExporter) -> list[str]:
+    return [str(span.attributes.get("db.statement", "")) for span in exporter.get_finished_spans()]
+
+
+def back_in_the_pool_as_lent(db: Database) -> None:
+    """The pool's next connection is out of autocommit and in no transaction."""
+    fairy = db.engine.raw_connection()
+    try:
+        assert fairy.driver_connection.autocommit is False
+        assert fairy.driver_connection.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    finally:
+        fairy.close()
+
+
+def cut_pooled_connections(db: Database, n: int) -> None:
+    """Open `n` pooled connections and cut their sockets, as a Postgres restart or a network
+    cut leaves them, and put them back in the pool."""
+    held = [db.engine.raw_connection() for _ in range(n)]
+    for pooled in held:
+        raw = pooled.driver_connection
+        assert isinstance(raw, psycopg.Connection)
+        raw.execute("SELECT 1")
+        raw.rollback()
+        with socket.fromfd(raw.fileno(), socket.AF_INET, socket.SOCK_STREAM) as borrowed:
+            borrowed.shutdown(socket.SHUT_RDWR)
+    for pooled in held:
+        pooled.close()
 
 
 def fresh_database(stores: Stores) -> str:

@@ -12,17 +12,12 @@ from typing import Any
 
 import psycopg
 import pytest
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from sqlalchemy import event, text
 from sqlalchemy.exc import IntegrityError, OperationalError
 
-from app import tracing
 from app.connections import PoolSize
 from app.db import Database
-from app.settings import Settings
-from tests.helpers import Stores
+from tests.helpers import Stores, back_in_the_pool_as_lent, cut_pooled_connections, statements_of, tracing_on
 
 INSERT = text("INSERT INTO tenants (id, name) VALUES (:t, :name) RETURNING id, name, created_at IS NOT NULL")
 RENAME = text("UPDATE tenants SET name = :name WHERE id = :t")
@@ -47,15 +42,6 @@ def db(stores: Stores) -> Iterator[Database]:
 def name_of(db: Database, tenant: str) -> str | None:
     with db.reading() as s:
         return s.scalar(text("SELECT name FROM tenants WHERE id = :t"), {"t": tenant})
-
-
-def back_in_the_pool_as_lent(db: Database) -> None:
-    fairy = db.engine.raw_connection()
-    try:
-        assert fairy.driver_connection.autocommit is False
-        assert fairy.driver_connection.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
-    finally:
-        fairy.close()
 
 
 def test_rows_come_back_as_tuples_and_the_write_is_committed(stores: Stores, db: Database) -> None:
@@ -116,16 +102,7 @@ def test_after_a_broken_connection_the_next_statement_gets_a_live_one(stores: St
     fails, and the pool replaces the other one too, as SQLAlchemy's own execute would."""
     db = open_db(stores, connections=2)
     try:
-        held = [db.engine.raw_connection() for _ in range(2)]
-        for pooled in held:
-            raw = pooled.driver_connection
-            assert isinstance(raw, psycopg.Connection)
-            raw.execute("SELECT 1")
-            raw.rollback()
-            with socket.fromfd(raw.fileno(), socket.AF_INET, socket.SOCK_STREAM) as borrowed:
-                borrowed.shutdown(socket.SHUT_RDWR)
-        for pooled in held:
-            pooled.close()
+        cut_pooled_connections(db, 2)
         tenant = f"tenant-returning-{secrets.token_hex(3)}"
         with pytest.raises(OperationalError) as failed:
             db.returning(INSERT, {"t": tenant, "name": "lost"})
@@ -137,22 +114,15 @@ def test_after_a_broken_connection_the_next_statement_gets_a_live_one(stores: St
 
 
 def test_with_tracing_on_the_statement_has_its_span(stores: Stores, db: Database) -> None:
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    assert tracing.setup(Settings(otel=True), service="llmq-test", provider=provider) is provider
     tenant = f"tenant-returning-{secrets.token_hex(3)}"
-    try:
-        traced = open_db(stores)  # instrumented: created after the setup, as in a traced process
+    with tracing_on() as exporter:
+        traced = open_db(stores)  # instrumented: created while tracing is on
         try:
             assert traced.returning(INSERT, {"t": tenant, "name": "traced"}) == [(tenant, "traced", True)]
             assert traced.returning(RENAME, {"t": tenant, "name": "traced again"}) == []
         finally:
             traced.dispose()
-    finally:
-        tracing.teardown()
-        provider.shutdown()
-    statements = [str(span.attributes.get("db.statement", "")) for span in exporter.get_finished_spans()]
+    statements = statements_of(exporter)
     assert any(s.startswith("INSERT INTO tenants") for s in statements), statements
     assert name_of(db, tenant) == "traced again"
 

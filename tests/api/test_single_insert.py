@@ -7,28 +7,22 @@ from __future__ import annotations
 
 import json
 import secrets
-import socket
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
 import pytest
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from sqlalchemy import text
 from sqlalchemy.exc import IntegrityError, OperationalError
 
-from app import tracing
 from app.connections import PoolSize
 from app.db import Database
 from app.errors import RateLimited
 from app.ids import new_id
 from app.services.keys import KeyService
 from app.services.quotas import insert_single_job
-from app.settings import Settings
-from tests.helpers import Stores
+from tests.helpers import Stores, back_in_the_pool_as_lent, cut_pooled_connections, statements_of, tracing_on
 
 
 @pytest.fixture
@@ -162,16 +156,7 @@ def test_after_a_broken_connection_the_next_insert_gets_a_live_one(stores: Store
         stores.database_url, PoolSize(pool=2, overflow=0), transaction_pooler=stores.pooler != "none"
     )
     try:
-        held = [db.engine.raw_connection() for _ in range(2)]
-        for pooled in held:
-            raw = pooled.driver_connection
-            assert isinstance(raw, psycopg.Connection)
-            raw.execute("SELECT 1")
-            raw.rollback()
-            with socket.fromfd(raw.fileno(), socket.AF_INET, socket.SOCK_STREAM) as borrowed:
-                borrowed.shutdown(socket.SHUT_RDWR)  # as a restart or a network cut leaves it
-        for pooled in held:
-            pooled.close()
+        cut_pooled_connections(db, 2)
         with pytest.raises(OperationalError) as failed:
             insert_single_job(db, tenant, 10**6, row(tenant))
         assert failed.value.connection_invalidated
@@ -232,21 +217,11 @@ def test_the_transaction_is_one_round_trip(
     assert active(db, tenant) == 1
     with pytest.raises(IntegrityError):
         insert_single_job(db, "no-such-tenant", 10**6, row("no-such-tenant"))
-    fairy = db.engine.raw_connection()
-    try:
-        assert fairy.driver_connection.autocommit is False
-        assert fairy.driver_connection.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
-    finally:
-        fairy.close()
+    back_in_the_pool_as_lent(db)
 
 
 def test_with_tracing_on_each_statement_has_its_span(stores: Stores, db: Database, tenant: str) -> None:
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    assert tracing.setup(Settings(otel=True), service="llmq-test", provider=provider) is provider
-    try:
-        # Instrumented engines are the ones created from here on, as in a traced process.
+    with tracing_on() as exporter:
         traced = Database.from_url(
             stores.database_url, PoolSize(pool=1, overflow=0), transaction_pooler=stores.pooler != "none"
         )
@@ -255,10 +230,7 @@ def test_with_tracing_on_each_statement_has_its_span(stores: Stores, db: Databas
             insert_single_job(traced, tenant, 10**6, job)
         finally:
             traced.dispose()
-    finally:
-        tracing.teardown()
-        provider.shutdown()
-    statements = [str(span.attributes.get("db.statement", "")) for span in exporter.get_finished_spans()]
+    statements = statements_of(exporter)
     assert any(s.startswith("SELECT pg_advisory_xact_lock_shared") for s in statements), statements
     assert any(s.startswith("INSERT INTO jobs") for s in statements), statements
     assert stored(db, job["id"])["tenant_id"] == tenant
