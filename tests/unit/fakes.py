@@ -183,6 +183,7 @@ def fake_runner(
     constraints: ConstraintChecker | None = None,
     name: str = "w1",
     fingerprint: str = "fp",
+    job_timeout_seconds: float = 30,
     **config: Any,
 ) -> JobRunner:
     """A JobRunner over a fake (or real) store: an instant engine, the byte renderer and
@@ -197,13 +198,11 @@ def fake_runner(
         FakeStreams() if streams is None else streams,
         RunnerConfig(
             name,
-            **{
-                "lease_seconds": 30,
-                "max_attempts": 3,
-                "job_timeout_seconds": 30,
-                "system_fingerprint": fingerprint,
-                **config,
-            },
+            lease_seconds=30,
+            max_attempts=3,
+            job_timeout_seconds=job_timeout_seconds,
+            system_fingerprint=fingerprint,
+            **config,
         ),
         constraints=constraints,
     )

@@ -228,7 +228,7 @@ class WritesRecorded(FakeStore):
         return super().finish_many(results)
 
 
-def test_a_chunks_short_lines_are_stored_together_while_its_long_ones_still_run(
+def test_a_chunks_short_lines_are_stored_while_its_long_ones_still_run(
     loop: LoopThread, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """One hand-over to the loop a chunk; each line is written as it ends, and a short
