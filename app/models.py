@@ -252,11 +252,13 @@ class File(Base):
 
 
 class FileLine(Base):
-    """One line of an input file, as uploaded (after validation)."""
+    """One line of an input file, as uploaded (after validation). Written only with its
+    file's row, in one transaction; deleted with it by the `files_delete_lines` trigger
+    (migration 0022: a foreign key was checked once a line, after an upload's COPY)."""
 
     __tablename__ = "file_lines"
 
-    file_id: Mapped[str] = mapped_column(ForeignKey("files.id", ondelete="CASCADE"), primary_key=True)
+    file_id: Mapped[str] = mapped_column(String(40), primary_key=True)
     line_no: Mapped[int] = mapped_column(Integer, primary_key=True)
     custom_id: Mapped[str] = mapped_column(Text)
     raw: Mapped[str] = mapped_column(Text)

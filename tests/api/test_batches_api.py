@@ -41,6 +41,26 @@ def test_upload_list_get_and_content_round_trip(client: FlaskClient, tenant) -> 
     assert client.get(f"/v1/files/{f.id}/content", headers=auth(key)).data == data
 
 
+def lines_of(services, file_id: str) -> int:  # type: ignore[no-untyped-def]
+    with services.db.session() as s:
+        return int(s.scalar(text("SELECT count(*) FROM file_lines WHERE file_id = :f"), {"f": file_id}))
+
+
+def test_a_files_lines_go_with_it_however_its_row_is_deleted(client: FlaskClient, tenant, services) -> None:
+    """No foreign key checks each line (migration 0022): the files_delete_lines trigger
+    deletes them, through the API, a plain DELETE, and a tenant's cascade alike."""
+    name, key = tenant
+    ids = [upload(client, key, jsonl([line(i) for i in range(3)])).get_json()["id"] for _ in range(3)]
+    assert [lines_of(services, f) for f in ids] == [3, 3, 3]
+    assert client.delete(f"/v1/files/{ids[0]}", headers=auth(key)).status_code == 200
+    with services.db.session() as s:
+        s.execute(text("DELETE FROM files WHERE id = :f"), {"f": ids[1]})
+    assert [lines_of(services, f) for f in ids] == [0, 0, 3]
+    with services.db.session() as s:
+        s.execute(text("DELETE FROM tenants WHERE id = :t"), {"t": name})
+    assert lines_of(services, ids[2]) == 0
+
+
 def test_one_bad_line_among_1000_rejects_the_file_and_names_it(client: FlaskClient, tenant, services) -> None:
     name, key = tenant
     lines: list[Any] = [line(i) for i in range(1000)]
