@@ -36,6 +36,14 @@ def on_starting(server: Any) -> None:
         stale.unlink(missing_ok=True)
 
 
+def post_worker_init(worker: Any) -> None:
+    """The worker has loaded the app: its objects live as long as the process, and
+    collections skip them from here on (app/heap.py)."""
+    from app.heap import freeze_startup_heap
+
+    freeze_startup_heap()
+
+
 def child_exit(server: Any, worker: Any) -> None:
     from prometheus_client import multiprocess
 

@@ -11,6 +11,7 @@ from celery import Celery, signals
 from kombu import Queue
 
 from app import tracing
+from app.heap import freeze_startup_heap
 from app.logs import configure_logging
 from app.queue import celery_config, queue_name, reuse_broker_clients
 from app.settings import Settings
@@ -60,6 +61,9 @@ def _connect_signals(app: Celery, settings: Settings) -> None:
 
     def on_ready(**_: Any) -> None:
         runtime.current().consumer_ready()
+        # The engine is up and every library imported: what exists now lives as long as
+        # the worker, and collections skip it from here on (app/heap.py).
+        log.info("startup heap frozen", extra={"objects": freeze_startup_heap()})
 
     def on_shutting_down(**_: Any) -> None:
         rt = runtime.current()

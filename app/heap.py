@@ -1,0 +1,27 @@
+"""A long-running process's startup heap, frozen once it is up.
+
+A worker that has imported its libraries and started its engine holds objects that live as
+long as it does (the instant engine: about 160,000 tracked by the garbage collector; vLLM
+with the tiny model: 750,000), and the API's processes theirs (Flask, SQLAlchemy, the
+tokenizers). CPython's collection of its oldest generation walks every one of them, and it
+runs whenever enough newer objects have survived: under a batch, every second or so.
+`gc.freeze()` moves them to a permanent generation that collections skip; `vllm serve`
+does the same once it is up (vllm/utils/gc_utils.py, `freeze_gc_heap`).
+
+Measured on a 10,000-line batch (B2's, instant engine), the worker's oldest-generation
+collections took 0.43 s in all before and 0.10 s after; its CPU per line went from 0.43
+to 0.37 ms.
+"""
+
+from __future__ import annotations
+
+import gc
+
+
+def freeze_startup_heap() -> int:
+    """Collect what starting left behind, then freeze every object still tracked: later
+    collections skip them (they are still freed when nothing refers to them). Called once
+    a process is ready. Returns how many objects are frozen now."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
