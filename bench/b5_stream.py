@@ -121,7 +121,10 @@ async def streams_at(url: str, key: str, model: str, n: int, max_tokens: int) ->
 async def idle_streams(url: str, key: str, model: str, n: int, api_pid: int) -> dict[str, Any]:
     """Open `n` streams on queued jobs (no worker runs them), hold them, and read the API's
     threads and memory while they are open."""
-    limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8)
+    # A connection idle past the API's keep-alive (gunicorn's, 2 s) is not reused: the
+    # submits' connections wait while a thousand streams are opened, and one the server
+    # closes as it is reused fails that stream's request (httpx retries only a connect).
+    limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8, keepalive_expiry=1.0)
     async with httpx.AsyncClient(
         base_url=url, headers={"Authorization": f"Bearer {key}"}, limits=limits, timeout=60
     ) as c:
