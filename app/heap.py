@@ -2,8 +2,9 @@
 
 A worker that has imported its libraries and started its engine holds objects that live as
 long as it does (the instant engine: about 160,000 tracked by the garbage collector; vLLM
-with the tiny model: 750,000), and the API's processes theirs (Flask, SQLAlchemy, the
-tokenizers). CPython's collection of its oldest generation walks every one of them, and it
+with the tiny model: 750,000), and the API's processes theirs once gunicorn has loaded
+the app (Flask, SQLAlchemy, the request models; the tokenizers, loaded later on a thread of
+their own, are not frozen). CPython's collection of its oldest generation walks every one of them, and it
 runs whenever enough newer objects have survived: under a batch, every second or so.
 `gc.freeze()` moves them to a permanent generation that collections skip; `vllm serve`
 does the same once it is up (vllm/utils/gc_utils.py, `freeze_gc_heap`).
