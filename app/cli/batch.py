@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
+import httpx
 from tqdm import tqdm
 
 from app.cli.client import LlmqClient
@@ -20,10 +22,31 @@ def _done(batch: dict[str, Any]) -> int:
     return int(counts["completed"]) + int(counts["failed"])
 
 
-def follow(client: LlmqClient, batch_id: str, *, interval: float = 1.0) -> dict[str, Any]:
+def follow(
+    client: LlmqClient,
+    batch_id: str,
+    *,
+    interval: float = 1.0,
+    reconnects: int = 6,
+    sleep: Callable[[float], None] = time.sleep,
+) -> dict[str, Any]:
     """Poll until the batch ends, with a progress bar: lines done and failed, output
-    tokens/s, time left."""
-    batch = client.get_batch(batch_id)
+    tokens/s, time left. An API that cannot be reached (restarting after a crash: its
+    supervisor brings it back in seconds, the batch runs on) is asked again, `reconnects`
+    times in a row at most, 2, 4, 8... s apart (30 at most); then its error is raised."""
+
+    def poll() -> dict[str, Any]:
+        failures = 0
+        while True:
+            try:
+                return client.get_batch(batch_id)
+            except httpx.TransportError:
+                failures += 1
+                if failures > reconnects:
+                    raise
+                sleep(min(2.0**failures, 30.0))
+
+    batch = poll()
     with tqdm(
         total=batch["request_counts"]["total"], unit="line", desc=batch_id[:18], dynamic_ncols=True
     ) as bar:
@@ -40,8 +63,8 @@ def follow(client: LlmqClient, batch_id: str, *, interval: float = 1.0) -> dict[
             bar.refresh()
             if batch["status"] in TERMINAL:
                 return batch
-            time.sleep(interval)
-            batch = client.get_batch(batch_id)
+            sleep(interval)
+            batch = poll()
 
 
 def download(client: LlmqClient, batch: dict[str, Any], stem: Path) -> list[Path]:
