@@ -12,7 +12,7 @@ from typing import Any, TextIO
 import httpx
 from tqdm import tqdm
 
-from app.cli.client import LlmqClient
+from app.cli.client import LlmqClient, reconnect_wait
 
 TERMINAL = {"completed", "failed", "expired", "cancelled"}
 
@@ -33,7 +33,7 @@ def follow(
     """Poll until the batch ends, with a progress bar: lines done and failed, output
     tokens/s, time left. An API that cannot be reached (restarting after a crash: its
     supervisor brings it back in seconds, the batch runs on) is asked again, `reconnects`
-    times in a row at most, 2, 4, 8... s apart (30 at most); then its error is raised."""
+    times in a row at most, `reconnect_wait` apart; then its error is raised."""
 
     def poll() -> dict[str, Any]:
         failures = 0
@@ -44,7 +44,7 @@ def follow(
                 failures += 1
                 if failures > reconnects:
                     raise
-                sleep(min(2.0**failures, 30.0))
+                sleep(reconnect_wait(failures))
 
     batch = poll()
     with tqdm(

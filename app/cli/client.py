@@ -53,6 +53,12 @@ def sse_events(lines: Iterator[str]) -> Iterator[tuple[str | None, str | None, s
             data.append(value)
 
 
+def reconnect_wait(failures: int) -> float:
+    """Seconds to wait before trying again after `failures` in a row to reach the API
+    (a restart takes seconds): 2, 4, 8... and 30 at most."""
+    return min(2.0**failures, 30.0)
+
+
 class LlmqClient:
     def __init__(self, base_url: str, api_key: str, *, timeout: float = 60.0) -> None:
         self._http = httpx.Client(
@@ -140,7 +146,7 @@ class LlmqClient:
             except httpx.TransportError:
                 pass
             failures += 1  # the connection dropped (or closed) before the end
-            time.sleep(min(2.0**failures, 30.0))
+            time.sleep(reconnect_wait(failures))
 
     def download(self, file_id: str, path: Path) -> int:
         """Stream a file's content to `path`; returns the number of lines."""
