@@ -18,7 +18,7 @@ from app.db import Database
 from app.domain.status import BatchStatus, FilePurpose, JobStatus
 from app.events import JobEvents
 from app.ids import new_id
-from app.liveness import OUT_BY_TENANT, OWED_BY_TENANT, OWED_MODELS, TAKE_OWED, owed_order
+from app.liveness import FEEDER_PLANS, OUT_BY_TENANT, OWED_BY_TENANT, OWED_MODELS, TAKE_OWED, owed_order
 from app.models import Batch, File, Job
 from app.queue import JobQueue
 from app.services import webhook_outbox
@@ -115,6 +115,7 @@ class BatchLifecycle:
             plan = self.plan(model)
             window, chunk = plan.window, plan.chunk
             with self._db.session() as s:
+                s.execute(FEEDER_PLANS)
                 out = {r.tenant_id: int(r.n) for r in s.execute(OUT_BY_TENANT, {"model": model})}
                 room = window - sum(out.values())
                 if room < chunk:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import psycopg
 from sqlalchemy import text
 
+from app.liveness import FEEDER_PLANS, OWED_BY_TENANT, TAKE_OWED
 from tests.helpers import queued, response
-from worker.store import JobStore, Result
+from worker.store import _CLAIM, JobStore, Result
 
 
 def test_bulk_results_keep_nul_characters_and_respect_the_fence(services) -> None:
@@ -82,3 +84,51 @@ def test_lease_renewal_passes_over_a_row_being_written_and_still_reports_it(serv
             ).all()
         )
     assert left == {ids[0]: True, ids[1]: False, ids[2]: True}
+
+
+def _indexes(plan: Any) -> set[str]:
+    """Every index an EXPLAIN (FORMAT JSON) plan reads."""
+    if isinstance(plan, list):
+        return set().union(*map(_indexes, plan)) if plan else set()
+    if not isinstance(plan, dict):
+        return set()
+    found = {plan["Index Name"]} if "Index Name" in plan else set()
+    return found.union(*(_indexes(v) for v in plan.values() if isinstance(v, (list, dict))))
+
+
+def test_claims_and_the_feeder_read_the_right_index_while_statistics_predate_a_burst(services) -> None:
+    """Right after a batch's lines are inserted, the table's statistics (its last ANALYZE saw
+    no job queued) expect one queued job where there are thousands. A claim must still find
+    its rows by their ids, and the feeder its lines through ix_jobs_undispatched, not walk
+    ix_jobs_active (every queued and running job) as they did. Run in one transaction that is
+    rolled back, the statistics included."""
+    (template,) = queued(services, 1)
+    copies = (
+        "INSERT INTO jobs (id, tenant_id, kind, status, priority, model, request, created_at, "
+        "batch_id, line_no) SELECT :prefix || g, tenant_id, kind, :status, priority, model, request, "
+        "now(), :batch, g FROM jobs, generate_series(1, :n) AS g WHERE id = :template"
+    )
+    with services.db.session() as s:
+        tenant = s.scalar(text("SELECT tenant_id FROM jobs WHERE id = :i"), {"i": template})
+        s.execute(text("DELETE FROM jobs WHERE id <> :i"), {"i": template})
+        s.execute(text("UPDATE jobs SET status = 'succeeded' WHERE id = :i"), {"i": template})
+        params = {"template": template, "batch": None}
+        s.execute(text(copies), {**params, "prefix": "job_done_", "status": "succeeded", "n": 2000})
+        s.execute(text("ANALYZE jobs"))
+        params = {"template": template, "batch": "batch_burst"}
+        s.execute(text(copies), {**params, "prefix": "job_line_", "status": "queued", "n": 5000})
+        explain = "EXPLAIN (FORMAT JSON) "
+        claim = {
+            "ids": [f"job_line_{i}" for i in range(100, 132)],
+            "owner": "w1",
+            "lease": 30,
+            "max_attempts": 3,
+            "max_request": 2**40,
+        }
+        assert _indexes(s.scalar(text(explain + _CLAIM.text), claim)) == {"pk_jobs"}
+        s.execute(FEEDER_PLANS)
+        feed = {"model": "api-only", "tenant": tenant, "n": 128, "cap": 2048}
+        for query in (OWED_BY_TENANT, TAKE_OWED):
+            read = _indexes(s.scalar(text(explain + query.text), feed))
+            assert "ix_jobs_undispatched" in read and "ix_jobs_active" not in read, (query.text, read)
+        s.rollback()
