@@ -210,6 +210,8 @@ class CountingLifecycle:
         self.rounds: list[float] = []
         self.active = True  # any_active's answer
         self.probes = 0
+        self.owed = True  # whether a round's feed finds lines owed
+        self.finalized = 0
 
     def any_active(self) -> bool:
         self.probes += 1
@@ -217,7 +219,7 @@ class CountingLifecycle:
 
     def feed(self) -> Any:
         self.rounds.append(time.monotonic())
-        return type("Fed", (), {"lines": 0, "messages": 0})()
+        return type("Fed", (), {"lines": 0, "messages": 0, "owed": self.owed})()
 
     def resume_validating(self) -> None: ...
     def expire_due(self) -> int:
@@ -227,6 +229,7 @@ class CountingLifecycle:
         return 0
 
     def finalize_done(self) -> int:
+        self.finalized += 1
         return 0
 
 
@@ -252,6 +255,37 @@ def test_a_chunk_ending_wakes_the_feeder_before_its_tick(r: Redis[bytes]) -> Non
     finally:
         scheduler.stop()
         wake_feeder(r)  # out of its 5 s BLPOP, so the thread ends before the client closes
+        assert scheduler.join(3)
+
+
+def test_batches_are_finalized_once_a_second_while_lines_are_owed_and_in_every_round_after(
+    r: Redis[bytes],
+) -> None:
+    """While lines wait for messages, no batch can be done: finished batches are looked for
+    once a second. Once none waits, the lines out may be a batch's last, and each round
+    (woken as a chunk ends) looks, so the batch completes as its last line does."""
+    from worker.batches import BatchScheduler
+
+    lifecycle = CountingLifecycle()
+    lock = LeaseLock(r, "batches-finalize-test", "w1", lease_seconds=5)
+    scheduler = BatchScheduler(lock, lifecycle, tick_seconds=0.05, redis=r)  # type: ignore[arg-type]
+    scheduler.start()
+    try:
+        deadline = time.monotonic() + 3
+        while len(lifecycle.rounds) < 8 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # The first round's, then one a second: not one a round.
+        span = lifecycle.rounds[-1] - lifecycle.rounds[0]
+        assert len(lifecycle.rounds) >= 8 and 1 <= lifecycle.finalized <= 1 + span
+        assert lifecycle.finalized < len(lifecycle.rounds) / 2
+        lifecycle.owed = False
+        rounds, finalized = len(lifecycle.rounds), lifecycle.finalized
+        deadline = time.monotonic() + 3
+        while len(lifecycle.rounds) < rounds + 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert lifecycle.finalized - finalized >= 3
+    finally:
+        scheduler.stop()
         assert scheduler.join(3)
 
 

@@ -3,9 +3,10 @@ their deadline and finalizes finished ones. Every worker runs it; one acts at a 
 
 It runs every tick, and at once when a worker ends a chunk of lines or the API creates a
 batch (`wake_feeder`): the freed slots get their next lines, and a new batch its first,
-without waiting out the tick. Wake-ups coalesce in a one-element Redis list that the
-schedulers wait on (BLPOP); a wake-up taken by a scheduler that does not hold the lock is
-lost, and the tick still comes.
+without waiting out the tick. Finished batches are looked for once a second, and in every
+round that finds no line owed a message: a batch completes as its last chunk ends.
+Wake-ups coalesce in a one-element Redis list that the schedulers wait on (BLPOP); a
+wake-up taken by a scheduler that does not hold the lock is lost, and the tick still comes.
 
 While no batch is active (none validating, in progress, cancelling or finalizing), nothing
 can be owed or due: a round is one read (`any_active`, asked after an idle round and once a
@@ -83,6 +84,11 @@ class BatchScheduler:
                 self._lifecycle.resume_validating()
                 self._lifecycle.expire_due()
                 self._lifecycle.end_left_lines()
+                self._lifecycle.finalize_done()
+            elif not fed.owed:
+                # No line waits for a message: the lines out may be a batch's last, and this
+                # round may be the one their chunk's end woke. The batch completes now, not
+                # at the next second's round (B2 waited half a second for it on average).
                 self._lifecycle.finalize_done()
 
     def _wait(self, seconds: float) -> None:

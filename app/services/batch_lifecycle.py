@@ -43,6 +43,8 @@ ANY_ACTIVE = text(
 class FeedReport:
     lines: int = 0
     messages: int = 0
+    # Whether any line was owed a message when the round began.
+    owed: bool = False
 
 
 class BatchLifecycle:
@@ -111,6 +113,7 @@ class BatchLifecycle:
         report = FeedReport()
         with self._db.reading() as s:  # one round trip: most rounds end here, with none owed
             models = list(s.scalars(OWED_MODELS))
+        report.owed = bool(models)
         for model in models:
             plan = self.plan(model)
             window, chunk = plan.window, plan.chunk
