@@ -149,8 +149,8 @@ OWED_BY_TENANT = text(
 # index gives it. The planner otherwise took ix_jobs_active (every queued and running job)
 # and sorted, whenever its statistics were older than the last burst of lines, as they are
 # right after a batch's lines are inserted: it expected 1 owed line where there were 10,000,
-# and read every queued one twice a round and once more for each tenant's take (B2: 5 of a
-# take's 9 ms, 70 µs of Postgres CPU per line).
+# and read every queued one twice a round and once more for each tenant's take (B2's
+# 10,000 lines, Postgres time per line: take 52 -> 36 µs, owed count 17 -> 2).
 FEEDER_PLANS = text("SET LOCAL enable_sort = off")
 # Takes owed lines to send, in priority order, then earliest deadline first, then batch
 # order, then lines sharing a prompt prefix together in line order (app/domain/line_order.py):

@@ -243,9 +243,9 @@ class StreamPublisher:
         """The batch's commands in one round trip; their results, errors included. The
         append goes as a plain EVALSHA (a registered script makes redis-py ask SCRIPT EXISTS
         first, a second round trip for every flush), packed here: every argument is made
-        bytes once, and redis-py's packer and pipeline (half of this thread's time on B2's
-        batch lines, which nobody watches but whose events are logged all the same) are
-        not needed for a fixed command."""
+        bytes once, without redis-py's packer and pipeline, which a fixed command does not
+        need (64-event batches: 18-25 -> 10 µs of this thread's CPU an event; every line of
+        a batch, watched or not, logs its events)."""
         commands = []
         for job_id, event, final in batch:
             key = job_stream(job_id).encode()
