@@ -134,7 +134,10 @@ class Notifier:
                     self._pending.clear()
                 if channels:
                     pubsub.subscribe(*channels)
-                self._wake_all()  # whatever happened while disconnected, look again
+                # Whatever happened while disconnected, look again. Not a confirmation: a
+                # watch that came after the snapshot above is subscribed by its pending op,
+                # and returns when Redis confirms that.
+                self._wake_all(confirm=False)
                 while not self._closing.is_set():
                     self._apply_pending(pubsub)
                     message = self._next_message(pubsub)
@@ -142,7 +145,7 @@ class Notifier:
                         self._dispatch(message)
             except RedisError as exc:
                 log.warning("notifier reconnecting", extra={"error": type(exc).__name__})
-                self._wake_all()
+                self._wake_all(confirm=True)  # no watch waits out its timeout on a dead connection
                 self._closing.wait(0.5)
             finally:
                 pubsub.close()
@@ -207,12 +210,13 @@ class Notifier:
         for waiter in waiters:
             waiter.notify(final)
 
-    def _wake_all(self) -> None:
+    def _wake_all(self, *, confirm: bool) -> None:
         with self._lock:
             waiters = [w for ws in self._waiters.values() for w in ws]
             for channel in self._waiters:
                 self._versions[channel] = self._versions.get(channel, 0) + 1
-            for confirmed in self._confirmed.values():
-                confirmed.set()
+            if confirm:
+                for confirmed in self._confirmed.values():
+                    confirmed.set()
         for waiter in waiters:
             waiter.notify(False)

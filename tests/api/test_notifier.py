@@ -127,6 +127,47 @@ def test_messages_that_arrive_in_parts_are_read_whole_without_a_reconnect(stores
         proxy.close()
 
 
+def test_a_watch_that_arrives_as_the_thread_connects_returns_only_once_subscribed(
+    stores: Stores, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pub/sub thread wakes every watcher when it (re)connects. A watch that came just
+    after the thread listed the channels to subscribe was also counted as confirmed then,
+    and returned before its SUBSCRIBE went out: what was published meanwhile was lost (seen
+    in CI as a watch that never ended). Here the thread is held between its list and its
+    wake-up until the watch is registered, and Redis answers slowly (the halving proxy)."""
+    proxy = HalvingProxy(stores.redis_url)
+    subscriber: redis.Redis[bytes] = redis.Redis.from_url(proxy.url)
+    publisher: redis.Redis[bytes] = redis.Redis.from_url(stores.redis_url)
+    n = Notifier(subscriber)
+    mine = job()
+    listed, registered = threading.Event(), threading.Event()
+    wake_all = n._wake_all
+
+    def held_wake_all(*, confirm: bool) -> None:
+        if not listed.is_set():
+            listed.set()
+            registered.wait(10)
+        wake_all(confirm=confirm)
+
+    monkeypatch.setattr(n, "_wake_all", held_wake_all)
+    try:
+        n._ensure_started()
+        assert listed.wait(10)  # the thread has listed no channel and waits to wake them
+        threading.Timer(0.3, registered.set).start()  # while the watch below waits
+        with n.watch(mine, timeout=10) as waiter:
+            publisher.publish(job_channel(mine), notification("1-1", final=True))
+            deadline = time.monotonic() + 5
+            while not waiter.ended and time.monotonic() < deadline:
+                waiter.wait(1)
+            assert waiter.ended
+    finally:
+        registered.set()
+        n.close(timeout=10)
+        subscriber.close()
+        publisher.close()
+        proxy.close()
+
+
 def test_close_stops_the_thread_without_waiting_out_the_poll(stores: Stores) -> None:
     client: redis.Redis[bytes] = redis.Redis.from_url(stores.redis_url)
     n = Notifier(client, poll_seconds=POLL_SECONDS)
