@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
@@ -10,7 +11,7 @@ from sqlalchemy import text
 
 from app.liveness import FEEDER_PLANS, OWED_BY_TENANT, TAKE_OWED
 from tests.helpers import queued, response
-from worker.store import _CLAIM, JobStore, Result
+from worker.store import _CLAIM, _CLAIM_ONE, JobStore, Result
 
 
 def test_bulk_results_keep_nul_characters_and_respect_the_fence(services) -> None:
@@ -94,6 +95,41 @@ def _indexes(plan: Any) -> set[str]:
         return set()
     found = {plan["Index Name"]} if "Index Name" in plan else set()
     return found.union(*(_indexes(v) for v in plan.values() if isinstance(v, (list, dict))))
+
+
+def test_a_single_jobs_claim_is_planned_once_by_its_key(services) -> None:
+    """A claim of one id is prepared (as psycopg does after five runs) with a generic plan,
+    the primary key, not planned again at each run: with `id = ANY(:ids)` the planner's
+    generic guess was many rows and it planned every claim afresh, half of the claim's
+    Postgres time under a stream of single jobs. Among 2,000 ended jobs (in a table of a few
+    rows a scan is the cheaper plan). Rolled back."""
+    ids = queued(services, 8)
+    types = {"owner": "text", "lease": "float8", "id": "text", "max_attempts": "int", "max_request": "bigint"}
+    order = list(dict.fromkeys(re.findall(r"(?<!:):(\w+)", _CLAIM_ONE.text)))
+    assert set(order) == set(types)
+    sql = re.sub(r"(?<!:):(\w+)", lambda m: f"${order.index(m.group(1)) + 1}", _CLAIM_ONE.text)
+    with services.db.session() as s:
+        s.execute(
+            text(
+                "INSERT INTO jobs (id, tenant_id, kind, status, priority, model, request, created_at) "
+                "SELECT 'job_done_' || g, tenant_id, kind, 'succeeded', priority, model, request, now() "
+                "FROM jobs, generate_series(1, 2000) AS g WHERE id = :i"
+            ),
+            {"i": ids[0]},
+        )
+        s.execute(text("ANALYZE jobs"))
+        s.execute(text(f"PREPARE claim_one ({', '.join(types[n] for n in order)}) AS {sql}"))
+        values = {"owner": "'w1'", "lease": "30", "max_attempts": "3", "max_request": "1099511627776"}
+        for job_id in ids:
+            run = ", ".join(f"'{job_id}'" if n == "id" else values[n] for n in order)
+            assert s.execute(text(f"EXECUTE claim_one ({run})")).one()[0] == job_id
+        generic, custom = s.execute(
+            text("SELECT generic_plans, custom_plans FROM pg_prepared_statements WHERE name = 'claim_one'")
+        ).one()
+        assert generic >= len(ids) - 5 and custom <= 5, (generic, custom)
+        run = ", ".join("'job_none'" if n == "id" else values[n] for n in order)
+        assert _indexes(s.scalar(text(f"EXPLAIN (FORMAT JSON) EXECUTE claim_one ({run})"))) == {"pk_jobs"}
+        s.rollback()
 
 
 def test_claims_and_the_feeder_read_the_right_index_while_statistics_predate_a_burst(services) -> None:
