@@ -116,7 +116,10 @@ _CLAIM_ONE = text(_CLAIM_SQL.replace("{ids}", "id = :id"))
 # The ids also travel as an array: `j.id = ANY(:ids)` has the primary key find the rows.
 # Joined on the JSON alone, the planner guessed 100 rows for it and walked the `status =
 # 'running'` index instead, through every dead entry a busy queue leaves there: 30 ms a
-# call at 10,000 lines, growing with the table.
+# call at 10,000 lines, growing with the table. Its status test is a CASE, as the claim's:
+# `j.status = 'running'` implies ix_jobs_active's predicate, and with statistics older than
+# the running jobs (an ANALYZE that saw none) the planner walked that index, every running
+# job, for a few ids, even with the array.
 _FINISH_UPDATE = """
     WITH done AS (
     UPDATE jobs AS j SET
@@ -141,7 +144,8 @@ _FINISH_UPDATE = """
     FROM json_to_recordset(CAST(:rows AS json)) AS v(
       id text, epoch bigint, status text, response text, error text, usage text, stats text,
       power text, events text, event_id text, queue_wait float8, ttft float8, e2e float8)
-    WHERE j.id = ANY(:ids) AND j.id = v.id AND j.epoch = v.epoch AND j.status = 'running'
+    WHERE j.id = ANY(:ids) AND j.id = v.id AND j.epoch = v.epoch
+      AND CASE j.status WHEN 'running' THEN true ELSE false END
     RETURNING j.id, j.tenant_id, j.status, j.batch_id, v.event_id
     ),
 """

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from typing import Any
@@ -11,7 +12,7 @@ from sqlalchemy import text
 
 from app.liveness import FEEDER_PLANS, OWED_BY_TENANT, TAKE_OWED
 from tests.helpers import queued, response
-from worker.store import _CLAIM, _CLAIM_ONE, JobStore, Result
+from worker.store import _CLAIM, _CLAIM_ONE, _FINISH, JobStore, Result
 
 
 def test_bulk_results_keep_nul_characters_and_respect_the_fence(services) -> None:
@@ -162,6 +163,13 @@ def test_claims_and_the_feeder_read_the_right_index_while_statistics_predate_a_b
             "max_request": 2**40,
         }
         assert _indexes(s.scalar(text(explain + _CLAIM.text), claim)) == {"pk_jobs"}
+        # Results: the rows by their ids too, not every running job (the statistics saw none).
+        running = {**params, "batch": None, "prefix": "job_run_", "status": "running", "n": 3000}
+        s.execute(text(copies), running)
+        rows = [{"id": f"job_run_{i}", "epoch": 0, "status": "succeeded"} for i in range(1, 33)]
+        finish = {"rows": json.dumps(rows), "ids": [r["id"] for r in rows]}
+        read = _indexes(s.scalar(text(explain + _FINISH.text), finish))
+        assert "pk_jobs" in read and "ix_jobs_active" not in read, read
         s.execute(FEEDER_PLANS)
         feed = {"model": "api-only", "tenant": tenant, "n": 128, "cap": 2048}
         for query in (OWED_BY_TENANT, TAKE_OWED):
