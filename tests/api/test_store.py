@@ -88,6 +88,14 @@ def test_lease_renewal_passes_over_a_row_being_written_and_still_reports_it(serv
     assert left == {ids[0]: True, ids[1]: False, ids[2]: True}
 
 
+# `n` copies of the job `template`, ids `prefix` 1..n, as lines of `batch` (or single jobs).
+_COPIES = text(
+    "INSERT INTO jobs (id, tenant_id, kind, status, priority, model, request, created_at, "
+    "batch_id, line_no) SELECT :prefix || g, tenant_id, kind, :status, priority, model, request, "
+    "now(), :batch, g FROM jobs, generate_series(1, :n) AS g WHERE id = :template"
+)
+
+
 def _indexes(plan: Any) -> set[str]:
     """Every index an EXPLAIN (FORMAT JSON) plan reads."""
     if isinstance(plan, list):
@@ -110,14 +118,8 @@ def test_a_single_jobs_claim_is_planned_once_by_its_key(services) -> None:
     assert set(order) == set(types)
     sql = re.sub(r"(?<!:):(\w+)", lambda m: f"${order.index(m.group(1)) + 1}", _CLAIM_ONE.text)
     with services.db.session() as s:
-        s.execute(
-            text(
-                "INSERT INTO jobs (id, tenant_id, kind, status, priority, model, request, created_at) "
-                "SELECT 'job_done_' || g, tenant_id, kind, 'succeeded', priority, model, request, now() "
-                "FROM jobs, generate_series(1, 2000) AS g WHERE id = :i"
-            ),
-            {"i": ids[0]},
-        )
+        done = {"template": ids[0], "batch": None, "prefix": "job_done_", "status": "succeeded", "n": 2000}
+        s.execute(_COPIES, done)
         s.execute(text("ANALYZE jobs"))
         s.execute(text(f"PREPARE claim_one ({', '.join(types[n] for n in order)}) AS {sql}"))
         values = {"owner": "'w1'", "lease": "30", "max_attempts": "3", "max_request": "1099511627776"}
@@ -140,20 +142,15 @@ def test_claims_and_the_feeder_read_the_right_index_while_statistics_predate_a_b
     ix_jobs_active (every queued and running job) as they did. Run in one transaction that is
     rolled back, the statistics included."""
     (template,) = queued(services, 1)
-    copies = (
-        "INSERT INTO jobs (id, tenant_id, kind, status, priority, model, request, created_at, "
-        "batch_id, line_no) SELECT :prefix || g, tenant_id, kind, :status, priority, model, request, "
-        "now(), :batch, g FROM jobs, generate_series(1, :n) AS g WHERE id = :template"
-    )
     with services.db.session() as s:
         tenant = s.scalar(text("SELECT tenant_id FROM jobs WHERE id = :i"), {"i": template})
         s.execute(text("DELETE FROM jobs WHERE id <> :i"), {"i": template})
         s.execute(text("UPDATE jobs SET status = 'succeeded' WHERE id = :i"), {"i": template})
         params = {"template": template, "batch": None}
-        s.execute(text(copies), {**params, "prefix": "job_done_", "status": "succeeded", "n": 2000})
+        s.execute(_COPIES, {**params, "prefix": "job_done_", "status": "succeeded", "n": 2000})
         s.execute(text("ANALYZE jobs"))
         params = {"template": template, "batch": "batch_burst"}
-        s.execute(text(copies), {**params, "prefix": "job_line_", "status": "queued", "n": 5000})
+        s.execute(_COPIES, {**params, "prefix": "job_line_", "status": "queued", "n": 5000})
         explain = "EXPLAIN (FORMAT JSON) "
         claim = {
             "ids": [f"job_line_{i}" for i in range(100, 132)],
@@ -165,7 +162,7 @@ def test_claims_and_the_feeder_read_the_right_index_while_statistics_predate_a_b
         assert _indexes(s.scalar(text(explain + _CLAIM.text), claim)) == {"pk_jobs"}
         # Results: the rows by their ids too, not every running job (the statistics saw none).
         running = {**params, "batch": None, "prefix": "job_run_", "status": "running", "n": 3000}
-        s.execute(text(copies), running)
+        s.execute(_COPIES, running)
         rows = [{"id": f"job_run_{i}", "epoch": 0, "status": "succeeded"} for i in range(1, 33)]
         finish = {"rows": json.dumps(rows), "ids": [r["id"] for r in rows]}
         read = _indexes(s.scalar(text(explain + _FINISH.text), finish))
