@@ -8,6 +8,7 @@ from flask import Flask, request
 
 from app.container import Services, build_services
 from app.errors import InvalidRequest
+from app.heap import freeze_startup_heap
 from app.metrics import ROUTE_KEY
 from app.settings import Settings
 
@@ -90,10 +91,13 @@ def warm_tokenizers(services: Services) -> None:
     """Load the tokenizers of the models this API knows now (declared, or served by live
     workers; the registry keeps its last view when Redis is away) on a thread of its own (a
     greenlet under gevent): a process's first requests then find them loaded instead of
-    waiting seconds for the load (app/services/tokenizers.py)."""
+    waiting seconds for the load (app/services/tokenizers.py). Each load, now or later, is
+    followed by a freeze of the heap (app/heap.py)."""
     counters = services.tokenizers
     if counters is None:
         return
+    # A load brings transformers and torch along: frozen, so collections skip them.
+    counters.after_load = freeze_startup_heap
     threading.Thread(
         target=lambda: counters.warm(services.models.all().values()),
         name="llmq-tokenizers-warm",

@@ -80,6 +80,9 @@ class PromptCounters:
         self._failed: dict[str, float] = {}
         self._lock = threading.Lock()
         self._loading: dict[str, threading.Lock] = {}
+        # Told once each tokenizer has loaded, outside the locks: the served app freezes its
+        # heap then (app/heap.py), so that later collections skip what the load brought.
+        self.after_load: Callable[[], object] | None = None
 
     def counter(self, model: ServedModel) -> PromptCounter | None:
         for source in model.tokenizers:
@@ -145,6 +148,8 @@ class PromptCounters:
             for old_source, old in evicted:
                 old.close()
                 log.info("tokenizer dropped (least recently used)", extra={"source": old_source})
+            if self.after_load is not None:
+                self.after_load()
             return renderer
 
     def _load_renderer(self, source: str) -> ChatRenderer:

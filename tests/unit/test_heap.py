@@ -5,12 +5,19 @@ nothing refers to it."""
 from __future__ import annotations
 
 import gc
+import threading
 import weakref
 from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 
 from app import gunicorn_conf, heap
+from app.api import warm_tokenizers
+from app.services.models import ServedModel
+from app.services.tokenizers import PromptCounters
+from app.settings import Settings
 
 
 class Thing:
@@ -46,3 +53,28 @@ def test_gunicorn_freezes_each_worker_once_it_has_loaded_the_app(monkeypatch: py
     monkeypatch.setattr(heap, "freeze_startup_heap", lambda: calls.append(1) or 0)
     gunicorn_conf.post_worker_init(None)
     assert calls == [1]
+
+
+@pytest.mark.usefixtures("unfrozen")
+def test_what_a_served_apis_tokenizer_load_brings_is_frozen() -> None:
+    """The API's tokenizers load after its startup heap was frozen (transformers and torch:
+    about 200,000 objects); the served app freezes again once each has loaded."""
+    made: list[list[Thing]] = []
+
+    class Renderer:
+        def close(self) -> None:
+            pass
+
+    def load(source: str) -> Any:
+        made.append([Thing() for _ in range(1000)])  # what an import leaves behind
+        return Renderer()
+
+    counters = PromptCounters(Settings(), size=2, load=load)
+    models = SimpleNamespace(all=lambda: {"m": ServedModel("m", tokenizers=("tok",))})
+    warm_tokenizers(cast(Any, SimpleNamespace(tokenizers=counters, models=models)))
+    for thread in threading.enumerate():
+        if thread.name == "llmq-tokenizers-warm":
+            thread.join(10)
+    assert counters.loaded() == ["tok"] and made
+    collected = {id(o) for o in gc.get_objects()}
+    assert not any(id(t) in collected for t in made[0])

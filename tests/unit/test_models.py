@@ -217,6 +217,19 @@ def test_warm_loads_the_known_models_tokenizers_up_to_the_cache_size() -> None:
     assert count is not None and count(req("b")) == 2 and loads == ["/not/here", "bb"]  # no second load
 
 
+def test_each_tokenizer_load_is_told_once_it_has_loaded() -> None:
+    """Not a cached answer, nor a load that failed (the served app freezes its heap then)."""
+    loads: list[str] = []
+    told: list[list[str]] = []
+    counters = PromptCounters(Settings(), size=2, load=loader(loads))
+    counters.after_load = lambda: told.append(counters.loaded())
+    counters.counter(ServedModel("a", tokenizers=("/not/here", "aa")))
+    counters.counter(ServedModel("a", tokenizers=("aa",)))
+    counters.counter(ServedModel("b", tokenizers=("bb",)))
+    assert loads == ["/not/here", "aa", "bb"]
+    assert told == [["aa"], ["aa", "bb"]]  # each after its renderer was in the cache
+
+
 def test_a_model_folder_that_is_not_here_is_not_looked_up_as_a_name() -> None:
     from app.services.model_files import local_folder
 
