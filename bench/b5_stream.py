@@ -34,7 +34,7 @@ from app.connections import ADMIN_POOL
 from app.db import Database
 from bench import cpu
 from bench.common import save, script_json, service, submit_all, wait_done
-from bench.load import pct, rounds
+from bench.load import no_collections, pct, rounds
 
 PROMPT = "stream please"
 # Requests a level's p99 is read from, at least (bench/load.py's `rounds`, on both sides).
@@ -183,7 +183,9 @@ def run(
             results = []
             with cpu.measure(stack) as use:
                 for _ in range(rounds(n, SAMPLES)):
-                    results += asyncio.run(streams_at(stack.base_url, stack.api_key, served, n, max_tokens))
+                    with no_collections():
+                        level = streams_at(stack.base_url, stack.api_key, served, n, max_tokens)
+                        results += asyncio.run(level)
             figures = measure(results, db)
             base = direct[f"n{n}"]
             out[f"n{n}"] = {

@@ -4,11 +4,13 @@ same request back to back for `seconds`. Latencies are recorded per request."""
 
 from __future__ import annotations
 
+import gc
 import http.client
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -109,3 +111,20 @@ def rounds(n: int, samples: int) -> int:
     """How many rounds of `n` concurrent requests give at least `samples` requests (three at
     least): a p99 read from one round of one request is that request."""
     return max(3, -(-samples // n))
+
+
+@contextmanager
+def no_collections() -> Iterator[None]:
+    """A timed round with none of the timing process's own garbage collections in it: one
+    before, none during. B5's client made a new httpx client each round, and the one
+    before it went as garbage (its SSL context, pools and sockets) in a collection of 7-22
+    ms at any point of a later round: about one first chunk in ten at one stream was late
+    by that much, charged to llmq. For the load generator only: the direct baseline's
+    caller is AsyncLLM's own process, whose collections are part of what it measures (as
+    the API's and the worker's are on llmq's side)."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()

@@ -4,11 +4,13 @@ one PNG per curve)."""
 
 from __future__ import annotations
 
+import gc
 import http.server
 import subprocess
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -73,6 +75,24 @@ def test_the_load_generator_counts_successes_and_errors_apart() -> None:
     assert ok.errors == 0 and len(ok.latencies) > 10 and ok.rate > 0
     assert ok.summary()["p99_ms"] >= ok.summary()["p50_ms"] > 0
     assert bad.errors > 0 and not bad.latencies
+
+
+def test_a_timed_round_holds_no_collection_of_the_timing_process() -> None:
+    class Cycle:
+        def __init__(self) -> None:
+            self.me = self
+
+    garbage = weakref.ref(Cycle())  # only a collection frees it
+    with load.no_collections():
+        assert garbage() is None  # collected before the round
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    try:
+        with load.no_collections():
+            raise RuntimeError("a round that fails")
+    except RuntimeError:
+        pass
+    assert gc.isenabled()
 
 
 def test_the_sustained_rate_is_the_best_rate_with_p99_under_50_ms() -> None:
