@@ -80,8 +80,9 @@ class PromptCounters:
         self._failed: dict[str, float] = {}
         self._lock = threading.Lock()
         self._loading: dict[str, threading.Lock] = {}
-        # Told once each tokenizer has loaded, outside the locks: the served app freezes its
-        # heap then (app/heap.py), so that later collections skip what the load brought.
+        # Told once each tokenizer has loaded (outside the cache's lock; requests for that
+        # source still wait on its load's): the served app freezes its heap then
+        # (app/heap.py), so that later collections skip what the load brought.
         self.after_load: Callable[[], object] | None = None
 
     def counter(self, model: ServedModel) -> PromptCounter | None:
