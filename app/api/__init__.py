@@ -8,7 +8,7 @@ from flask import Flask, request
 
 from app.container import Services, build_services
 from app.errors import InvalidRequest
-from app.heap import freeze_startup_heap
+from app.heap import refreeze_heap
 from app.metrics import ROUTE_KEY
 from app.settings import Settings
 
@@ -97,7 +97,7 @@ def warm_tokenizers(services: Services) -> None:
     if counters is None:
         return
     # A load brings transformers and torch along: frozen, so collections skip them.
-    counters.after_load = freeze_startup_heap
+    counters.after_load = refreeze_heap
     threading.Thread(
         target=lambda: counters.warm(services.models.all().values()),
         name="llmq-tokenizers-warm",

@@ -80,9 +80,9 @@ class PromptCounters:
         self._failed: dict[str, float] = {}
         self._lock = threading.Lock()
         self._loading: dict[str, threading.Lock] = {}
-        # Told once each tokenizer has loaded (outside the cache's lock; requests for that
-        # source still wait on its load's): the served app freezes its heap then
-        # (app/heap.py), so that later collections skip what the load brought.
+        # Told once each tokenizer has loaded and those it pushed out of the cache were
+        # dropped (outside the cache's lock; requests for that source still wait on its
+        # load's): the served app collects and freezes its heap then (app/heap.py).
         self.after_load: Callable[[], object] | None = None
 
     def counter(self, model: ServedModel) -> PromptCounter | None:
@@ -146,9 +146,7 @@ class PromptCounters:
                 evicted = []
                 while len(self._loaded) > self._size:
                     evicted.append(self._loaded.popitem(last=False))
-            for old_source, old in evicted:
-                old.close()
-                log.info("tokenizer dropped (least recently used)", extra={"source": old_source})
+            _drop(evicted)  # none referred to from here on: the hook's collection frees them
             if self.after_load is not None:
                 self.after_load()
             return renderer
@@ -184,6 +182,14 @@ class PromptCounters:
             loaded, self._loaded = list(self._loaded.values()), OrderedDict()
         for renderer in loaded:
             renderer.close()
+
+
+def _drop(evicted: list[tuple[str, ChatRenderer]]) -> None:
+    """Close the renderers dropped from the cache, emptying the list."""
+    while evicted:
+        source, old = evicted.pop()
+        old.close()
+        log.info("tokenizer dropped (least recently used)", extra={"source": source})
 
 
 def _resolve(source: str) -> str | None:

@@ -78,3 +78,24 @@ def test_what_a_served_apis_tokenizer_load_brings_is_frozen() -> None:
     assert counters.loaded() == ["tok"] and made
     collected = {id(o) for o in gc.get_objects()}
     assert not any(id(t) in collected for t in made[0])
+
+
+@pytest.mark.usefixtures("unfrozen")
+def test_a_tokenizer_dropped_from_a_served_apis_cache_is_collected_at_the_next_load() -> None:
+    """A frozen object that becomes garbage in a cycle is never collected: the freeze after
+    a load unfreezes first, so what the load pushed out of the cache goes."""
+
+    class Renderer:
+        def __init__(self) -> None:
+            self.me = self  # a cycle, as a tokenizer and its template environment hold
+
+        def close(self) -> None:
+            pass
+
+    counters = PromptCounters(Settings(), size=1, load=lambda source: Renderer())
+    warm_tokenizers(cast(Any, SimpleNamespace(tokenizers=counters, models=SimpleNamespace(all=dict))))
+    first = weakref.ref(counters.renderer("a"))  # loaded, then frozen with the rest
+    assert first() is not None and gc.is_tracked(first())
+    counters.renderer("b")  # pushes "a" out
+    assert counters.loaded() == ["b"]
+    assert first() is None
