@@ -18,6 +18,12 @@ that becomes garbage in a cycle is never collected, and a tokenizer dropped from
 (least recently used) is such garbage: the freeze after a load unfreezes first, so the
 collection before it frees what the load pushed out.
 
+The interpreter's last collections at exit skip frozen objects too, so what froze and
+became garbage in a cycle is never finalized, and native extensions that count their
+objects say so on stderr as the process ends (triton's nanobind, which torch brings into
+the API with its tokenizers: "nanobind: leaked 4 instances!", a line that is not JSON in
+the API's log). A process that freezes also unfreezes as it exits.
+
 Measured on a 10,000-line batch (B2's, instant engine), the worker's oldest-generation
 collections took 0.43 s in all before and 0.10 s after; its CPU per line went from 0.43
 to 0.37 ms.
@@ -25,13 +31,19 @@ to 0.37 ms.
 
 from __future__ import annotations
 
+import atexit
 import gc
+
+_unfreeze_at_exit: list[bool] = []
 
 
 def freeze_startup_heap() -> int:
     """Collect what starting left behind, then freeze every object still tracked: later
     collections skip them (they are still freed when nothing refers to them). Called once
     a process is ready. Returns how many objects are frozen now."""
+    if not _unfreeze_at_exit:
+        _unfreeze_at_exit.append(True)
+        atexit.register(gc.unfreeze)  # the last collections, at exit, see them again
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()

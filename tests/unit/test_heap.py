@@ -5,9 +5,13 @@ nothing refers to it."""
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
 import threading
 import weakref
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -99,3 +103,35 @@ def test_a_tokenizer_dropped_from_a_served_apis_cache_is_collected_at_the_next_l
     counters.renderer("b")  # pushes "a" out
     assert counters.loaded() == ["b"]
     assert first() is None
+
+
+def test_what_froze_and_became_garbage_is_finalized_as_the_process_exits() -> None:
+    """Else an extension that counts its objects (triton's nanobind, in the API once torch is
+    imported) reports them as leaked on stderr, a line that is not JSON in the log."""
+    script = """
+from app import heap
+
+class Held:
+    def __init__(self):
+        self.me = self  # a cycle: only a collection frees it
+
+    def __del__(self):
+        print("finalized", flush=True)
+
+held = Held()
+heap.freeze_startup_heap()
+del held
+print("exiting", flush=True)
+"""
+    root = Path(__file__).resolve().parents[2]
+    path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": path},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert out.stdout.split() == ["exiting", "finalized"]
