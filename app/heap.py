@@ -34,16 +34,14 @@ from __future__ import annotations
 import atexit
 import gc
 
-_unfreeze_at_exit: list[bool] = []
-
 
 def freeze_startup_heap() -> int:
     """Collect what starting left behind, then freeze every object still tracked: later
     collections skip them (they are still freed when nothing refers to them). Called once
     a process is ready. Returns how many objects are frozen now."""
-    if not _unfreeze_at_exit:
-        _unfreeze_at_exit.append(True)
-        atexit.register(gc.unfreeze)  # the last collections, at exit, see them again
+    # The last collections, at exit, see them again (registered once however often this runs).
+    atexit.unregister(gc.unfreeze)
+    atexit.register(gc.unfreeze)
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
