@@ -8,12 +8,10 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import httpx
 from sqlalchemy import text
 
 from app.cli.embedded import free_port
@@ -21,6 +19,7 @@ from app.cli.stack import Stack
 from app.connections import ADMIN_POOL
 from app.db import Database
 from app.settings import Settings
+from bench.load import burst
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -65,17 +64,10 @@ def script_json(module: str, *args: str) -> Any:
 
 
 def submit_all(stack: Stack, bodies: list[dict[str, Any]], threads: int = 64) -> list[str]:
+    """`POST /v2/jobs` of every body, `threads` at once (bench/load.py's `burst`); the job ids
+    in body order."""
     auth = {"Authorization": f"Bearer {stack.api_key}"}
-    # The first requests wait for the API to load the tokenizer (prompt counting): not 5 s.
-    with httpx.Client(base_url=stack.base_url, headers=auth, timeout=120) as c:
-
-        def one(body: dict[str, Any]) -> str:
-            r = c.post("/v2/jobs", json=body)
-            r.raise_for_status()
-            return str(r.json()["id"])
-
-        with ThreadPoolExecutor(threads) as pool:
-            return list(pool.map(one, bodies))
+    return [str(answer["id"]) for answer in burst(stack.base_url, "/v2/jobs", bodies, auth, threads)]
 
 
 def wait_done(stack: Stack, ids: list[str], timeout: float = 1800) -> dict[str, float]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import http.server
+import json
 import subprocess
 import sys
 import threading
@@ -14,6 +15,8 @@ import weakref
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
+
+import pytest
 
 from bench import b3_submit, cpu, load, report
 
@@ -75,6 +78,40 @@ def test_the_load_generator_counts_successes_and_errors_apart() -> None:
     assert ok.errors == 0 and len(ok.latencies) > 10 and ok.rate > 0
     assert ok.summary()["p99_ms"] >= ok.summary()["p50_ms"] > 0
     assert bad.errors > 0 and not bad.latencies
+
+
+class _Echo(http.server.BaseHTTPRequestHandler):
+    """Answers a POST with its body's number as the id; 503 for a body numbered 13."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_POST(self) -> None:
+        sent = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        ok = sent["n"] != 13 and self.headers["Authorization"] == "Bearer k"
+        body = json.dumps({"id": f"job-{sent['n']}"} if ok else {"error": "no"}).encode()
+        self.send_response(200 if ok else 503)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_a_burst_answers_in_body_order_and_fails_on_a_refused_request() -> None:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Echo)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    auth = {"Authorization": "Bearer k"}
+    try:
+        answers = load.burst(base, "/v2/jobs", [{"n": n} for n in range(20, 60)], auth, 8)
+        with pytest.raises(RuntimeError, match="503"):
+            load.burst(base, "/v2/jobs", [{"n": n} for n in range(10, 20)], auth, 4)
+        with pytest.raises(RuntimeError, match="503"):
+            load.burst(base, "/v2/jobs", [{"n": 1}], {"Authorization": "Bearer wrong"}, 64)
+    finally:
+        server.shutdown()
+    assert [a["id"] for a in answers] == [f"job-{n}" for n in range(20, 60)]
 
 
 def test_a_timed_round_holds_no_collection_of_the_timing_process() -> None:
