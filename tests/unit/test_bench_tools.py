@@ -1,9 +1,10 @@
 """The benchmark tooling that every figure rests on: CPU accounting by process group from
-/proc, the closed-loop load generator, the B3 sustained-rate rule, and the report (table and
-one PNG per curve)."""
+/proc, the closed-loop load generator, the burst sender, the SSE client, the B3
+sustained-rate rule, and the report (table and one PNG per curve)."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import http.server
 import json
@@ -18,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from bench import b3_submit, cpu, load, report
+from bench import b3_submit, cpu, load, report, sse
 
 # Waits for a line, burns `s` seconds of CPU, then waits for the end of its input.
 BURN = (
@@ -185,3 +186,60 @@ def test_the_report_has_a_row_per_result_and_a_png_per_curve(tmp_path: Path) -> 
         "b5_stream_overhead.png",
     ]
     assert all(p.stat().st_size > 1000 and p.read_bytes()[:4] == b"\x89PNG" for p in made)
+
+
+def _chunked(*pieces: bytes) -> bytes:
+    return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\n\r\n"
+
+
+async def _serve_once(reply: bytes) -> tuple[asyncio.Server, str, list[bytes]]:
+    """A server that reads one request (head and body) and writes `reply` raw."""
+    seen: list[bytes] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(
+            next(h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")).split(b":")[1]
+        )
+        seen.append(head + await reader.readexactly(length))
+        writer.write(reply)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    return server, f"http://127.0.0.1:{port}", seen
+
+
+def test_the_sse_client_reads_events_across_chunk_boundaries() -> None:
+    """Each `data:` line is one arrival under the last `id:` before it, a line split over two
+    chunks included; `[DONE]` is not an event; the request carries the body and headers."""
+    body = _chunked(b'id: 1-1\ndata: {"a"', b": 1}\n\nid: 1-2\ndata: {}\n\n", b"data: [DONE]\n\n")
+    reply = b"HTTP/1.1 200 OK\r\nX-Llmq-Job-Id: job-7\r\nTransfer-Encoding: chunked\r\n\r\n" + body
+
+    async def go() -> tuple[sse.Stream, list[bytes]]:
+        server, url, seen = await _serve_once(reply)
+        async with server:
+            conn = await sse.Connection.open(url)
+            return await conn.post_stream(
+                "/v1/chat/completions", {"x": 1}, {"Authorization": "Bearer k"}
+            ), seen
+
+    got, seen = asyncio.run(go())
+    assert got.status == 200 and got.headers["x-llmq-job-id"] == "job-7"
+    assert [event_id for event_id, _ in got.arrivals] == ["1-1", "1-2"]
+    assert all(got.sent <= at for _, at in got.arrivals)
+    assert seen[0].startswith(b"POST /v1/chat/completions HTTP/1.1\r\n")
+    assert b"Authorization: Bearer k\r\n" in seen[0] and seen[0].endswith(b'{"x": 1}')
+
+
+def test_the_sse_client_keeps_a_refusals_body() -> None:
+    reply = b'HTTP/1.1 429 Too Many Requests\r\nContent-Length: 13\r\n\r\n{"error": {}}'
+
+    async def go() -> sse.Stream:
+        server, url, _ = await _serve_once(reply)
+        async with server:
+            return await (await sse.Connection.open(url)).post_stream("/s", {}, {})
+
+    got = asyncio.run(go())
+    assert got.status == 429 and got.body == b'{"error": {}}' and not got.arrivals
