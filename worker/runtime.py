@@ -298,6 +298,8 @@ class WorkerRuntime:
         log.info("starting engine", extra={"engine": self.engine.name, "model": self.settings.model_name})
         self.loop.call(self.engine.start())
         log.info("engine ready", extra={"max_model_len": self.engine.max_model_len()})
+        # Before the consumer takes a job: its first burst of claims finds them open.
+        self.db.open_pool()
         self.sampler.start()
         self.streams.start()
         parts = (

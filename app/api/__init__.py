@@ -81,9 +81,12 @@ def create_app(settings: Settings | None = None, *, services: Services | None = 
 
 def serve_app(settings: Settings | None = None) -> Flask:
     """The app as gunicorn serves it (app/serve.py): `create_app`, and this process's
-    tokenizers warmed in the background."""
+    Postgres connections opened and tokenizers warmed, in the background."""
     app = create_app(settings)
-    warm_tokenizers(app.extensions["llmq"])
+    services: Services = app.extensions["llmq"]
+    # In each gunicorn worker (the app is loaded after the fork): no connection is shared.
+    threading.Thread(target=services.db.open_pool, name="llmq-pool-open", daemon=True).start()
+    warm_tokenizers(services)
     return app
 
 

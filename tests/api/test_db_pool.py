@@ -1,5 +1,7 @@
 """The pool keeps the connections a burst opened past it (app/db.py KeptOverflowPool): a
-second burst opens none, an idle one closes them, and the process's total holds."""
+second burst opens none, an idle one closes them, and the process's total holds. A process
+opens its pool's connections ahead (`Database.open_pool`), up to the pool's size, never
+waiting for one."""
 
 from __future__ import annotations
 
@@ -98,5 +100,39 @@ def test_a_waiter_gets_the_connection_returned(stores: Stores) -> None:
         waiter.join(timeout=5)
         assert got and got[0] < 2
         first.close()
+    finally:
+        db.dispose()
+
+
+def test_the_pool_opens_ahead_up_to_its_size(db: Database) -> None:
+    opened: list[object] = []
+    sqlalchemy.event.listen(db.engine, "connect", lambda *_: opened.append(1))
+    assert db.open_pool() == 2
+    assert len(opened) == 2 and db.engine.pool.checkedin() == 2
+    assert db.open_pool() == 0
+    burst(db, 2)  # the first burst finds them
+    assert len(opened) == 2
+
+
+def test_opening_ahead_counts_what_others_hold_and_never_waits(stores: Stores) -> None:
+    db = Database.from_url(stores.database_url, PoolSize(pool=2, overflow=0), pool_timeout=30)
+    try:
+        held = db.engine.raw_connection()
+        started = time.monotonic()
+        assert db.open_pool() == 1
+        assert time.monotonic() - started < 5  # a wait for `held` would take the pool timeout
+        held.close()
+        assert db.engine.pool.checkedin() == 2
+    finally:
+        db.dispose()
+
+
+def test_a_database_out_of_reach_is_left_to_the_pool(caplog: pytest.LogCaptureFixture) -> None:
+    db = Database.from_url("postgresql://postgres@127.0.0.1:1/none", PoolSize(pool=2, overflow=0))
+    try:
+        with caplog.at_level("WARNING", logger="llmq.db"):
+            assert db.open_pool() == 0
+        assert "not opened ahead" in caplog.text
+        assert db.engine.pool.checkedin() == 0
     finally:
         db.dispose()

@@ -28,7 +28,7 @@ def test_services_bring_their_own_settings(services: Services) -> None:
     assert app.extensions["llmq"] is services
 
 
-def test_the_served_app_warms_its_tokenizers_before_any_request(settings: Settings) -> None:
+def test_the_served_app_warms_its_tokenizers_and_connections_before_any_request(settings: Settings) -> None:
     """The app as gunicorn serves it loads the known models' tokenizers in the background,
     so a process's first requests do not wait seconds for the load."""
     if not (TINY_DIR / "config.json").exists():
@@ -44,5 +44,10 @@ def test_the_served_app_warms_its_tokenizers_before_any_request(settings: Settin
         while str(TINY_DIR) not in services.tokenizers.loaded() and time.monotonic() < deadline:
             time.sleep(0.1)
         assert services.tokenizers.loaded() == [str(TINY_DIR)]
+        # And its Postgres connections, up to the pool's size, before any request.
+        pool = services.db.engine.pool
+        while pool.checkedin() < pool.size() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pool.checkedin() == pool.size() == settings.db_pool_size
     finally:
         services.close()
