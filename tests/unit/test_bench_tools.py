@@ -13,6 +13,8 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -53,12 +55,22 @@ def test_cpu_use_is_counted_for_the_group_that_spent_it() -> None:
     assert use.per_unit_ms(100)["api"] >= 2.0
 
 
-class _Hello(http.server.BaseHTTPRequestHandler):
+class _Handler(http.server.BaseHTTPRequestHandler):
+    """GET /ok answers 200, any other GET 503; a POST answers with its body's number as the
+    id, or 503 for the number 13 or another key."""
+
     protocol_version = "HTTP/1.1"
 
     def do_GET(self) -> None:
-        body = b'{"ok": true}'
-        self.send_response(200 if self.path == "/ok" else 503)
+        self._reply(200 if self.path == "/ok" else 503, b'{"ok": true}')
+
+    def do_POST(self) -> None:
+        sent = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        ok = sent["n"] != 13 and self.headers["Authorization"] == "Bearer k"
+        self._reply(200 if ok else 503, json.dumps({"id": f"job-{sent['n']}"} if ok else {}).encode())
+
+    def _reply(self, status: int, body: bytes) -> None:
+        self.send_response(status)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
@@ -67,51 +79,33 @@ class _Hello(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def test_the_load_generator_counts_successes_and_errors_apart() -> None:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Hello)
+@contextmanager
+def serving() -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    base = f"http://127.0.0.1:{server.server_address[1]}"
     try:
-        ok = load.run(load.request_fn(base, "GET", "/ok"), 2, 0.5, warmup=0.1)
-        bad = load.run(load.request_fn(base, "GET", "/down"), 1, 0.3, warmup=0.0)
+        yield f"http://127.0.0.1:{server.server_address[1]}"
     finally:
         server.shutdown()
+
+
+def test_the_load_generator_counts_successes_and_errors_apart() -> None:
+    with serving() as base:
+        ok = load.run(load.request_fn(base, "GET", "/ok"), 2, 0.5, warmup=0.1)
+        bad = load.run(load.request_fn(base, "GET", "/down"), 1, 0.3, warmup=0.0)
     assert ok.errors == 0 and len(ok.latencies) > 10 and ok.rate > 0
     assert ok.summary()["p99_ms"] >= ok.summary()["p50_ms"] > 0
     assert bad.errors > 0 and not bad.latencies
 
 
-class _Echo(http.server.BaseHTTPRequestHandler):
-    """Answers a POST with its body's number as the id; 503 for a body numbered 13."""
-
-    protocol_version = "HTTP/1.1"
-
-    def do_POST(self) -> None:
-        sent = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        ok = sent["n"] != 13 and self.headers["Authorization"] == "Bearer k"
-        body = json.dumps({"id": f"job-{sent['n']}"} if ok else {"error": "no"}).encode()
-        self.send_response(200 if ok else 503)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-
 def test_a_burst_answers_in_body_order_and_fails_on_a_refused_request() -> None:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Echo)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    base = f"http://127.0.0.1:{server.server_address[1]}"
     auth = {"Authorization": "Bearer k"}
-    try:
+    with serving() as base:
         answers = load.burst(base, "/v2/jobs", [{"n": n} for n in range(20, 60)], auth, 8)
         with pytest.raises(RuntimeError, match="503"):
             load.burst(base, "/v2/jobs", [{"n": n} for n in range(10, 20)], auth, 4)
         with pytest.raises(RuntimeError, match="503"):
             load.burst(base, "/v2/jobs", [{"n": 1}], {"Authorization": "Bearer wrong"}, 64)
-    finally:
-        server.shutdown()
     assert [a["id"] for a in answers] == [f"job-{n}" for n in range(20, 60)]
 
 
