@@ -221,21 +221,26 @@ class Database:
         A database out of reach is logged and left to the pool, which opens connections as
         they are needed."""
         pool = self.engine.pool
+        if not isinstance(pool, QueuePool):
+            return 0
+        # QueuePool's overflow counts from -size: below 0, a checkout that finds no idle
+        # connection opens one rather than waiting.
+        before = pool.overflow()
         held: list[PoolProxiedConnection] = []
-        opened = 0
         try:
-            # QueuePool's overflow counts from -size: below 0, a checkout that finds no idle
-            # connection opens one rather than waiting.
-            while isinstance(pool, QueuePool) and pool.overflow() < 0:
-                before = pool.overflow()
+            while pool.overflow() < 0:
                 held.append(self.engine.raw_connection())
-                opened += pool.overflow() > before
         except (DBAPIError, PoolTimeout, psycopg.Error) as exc:  # raw_connection: unwrapped
             log.warning("postgres connections not opened ahead", extra={"error": str(exc).splitlines()[0]})
         finally:
             for conn in held:
                 conn.close()  # back to the pool, open
-        return opened
+        return pool.overflow() - before
+
+    def open_pool_in_background(self) -> None:
+        """`open_pool` on a thread of its own (a greenlet under gevent): a process's start
+        never waits on a Postgres that does not answer."""
+        threading.Thread(target=self.open_pool, name="llmq-pool-open", daemon=True).start()
 
     @contextmanager
     def session(self) -> Iterator[Session]:

@@ -298,9 +298,9 @@ class WorkerRuntime:
         log.info("starting engine", extra={"engine": self.engine.name, "model": self.settings.model_name})
         self.loop.call(self.engine.start())
         log.info("engine ready", extra={"max_model_len": self.engine.max_model_len()})
-        # In the background (a start never waits on Postgres), before the consumer takes a job
-        # in all but a queue's first moments: its first burst of claims finds them open.
-        threading.Thread(target=self.db.open_pool, name="llmq-pool-open", daemon=True).start()
+        # Before the consumer takes a job in all but a queue's first moments: its first burst
+        # of claims finds them open.
+        self.db.open_pool_in_background()
         self.sampler.start()
         self.streams.start()
         parts = (

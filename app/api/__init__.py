@@ -85,7 +85,7 @@ def serve_app(settings: Settings | None = None) -> Flask:
     app = create_app(settings)
     services: Services = app.extensions["llmq"]
     # In each gunicorn worker (the app is loaded after the fork): no connection is shared.
-    threading.Thread(target=services.db.open_pool, name="llmq-pool-open", daemon=True).start()
+    services.db.open_pool_in_background()
     warm_tokenizers(services)
     return app
 
