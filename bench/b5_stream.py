@@ -12,7 +12,10 @@ For 1, 16 and 64 concurrent streams (`stream: true` on /v1/chat/completions, tin
 - delivery lag = when a chunk reached the client − when the worker produced it (each event
   carries the worker's production time `t`, persisted with the job);
 - inter-chunk gap at the client against the gap between productions in the worker, and the
-  direct caller's inter-token gap.
+  direct caller's inter-token gap;
+- the first chunk's time by stage (`figures`): API, queue (commit, broker, task), worker
+  (claim, rendering, engine admission), the engine's own time to first token, delivery;
+  p50 and p99 of each, so that what llmq adds is read where it is spent.
 The client is bench/sse.py's (asyncio streams, connections opened before the requests are
 timed): httpx's cost the load generator 5.7 ms of CPU a stream at 64, on the service's cores.
 Goal: p99 added ≤ 20 ms. Also: 1,000 idle streams held open by one API, with its thread
@@ -25,6 +28,7 @@ import asyncio
 import itertools
 import json
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 import httpx
@@ -74,10 +78,34 @@ def measure(results: list[dict[str, Any]], db: Database) -> dict[str, float]:
         rows = {
             r.id: r
             for r in s.execute(
-                text("SELECT id, events, generation_stats FROM jobs WHERE id = ANY(:ids)"), {"ids": ids}
+                text(
+                    "SELECT id, events, generation_stats, extract(epoch FROM created_at)::float8 AS created, "
+                    "extract(epoch FROM started_at)::float8 AS started FROM jobs WHERE id = ANY(:ids)"
+                ),
+                {"ids": ids},
             )
         }
+    return figures(results, rows)
+
+
+# Where a stream's first chunk spends its time, in order (`figures`' `stages`).
+STAGES = ("api", "queue", "worker", "engine", "delivery")
+
+
+def figures(results: list[dict[str, Any]], rows: Mapping[str, Any]) -> dict[str, float]:
+    """The level's figures from what each client saw (`results`: job id, when it was sent,
+    each event's arrival) and each job's row (`events` with the worker's production time
+    `t`, `generation_stats`, `created` and `started` as epoch seconds).
+
+    The first chunk's time, cut where the job's own timestamps fall (p50 and p99 of each,
+    `stage_<name>_p50_ms`): `api` from the request sent to the job made (the API's
+    reading, checks and rate limits), `queue` from there to the worker's claim (the insert's
+    commit, the broker message, the task), `worker` from the claim to the first chunk
+    produced less the engine's own time to first token (rendering, the engine's queue, the
+    first flush), `engine` that time to first token, `delivery` from production to the
+    client (Redis, the API's relay, the socket)."""
     ttfc, added_ttfc, lag, client_gap, worker_gap = [], [], [], [], []
+    stages: dict[str, list[float]] = {name: [] for name in STAGES}
     for result in results:
         row = rows[result["job_id"]]
         produced = {e["id"]: e["t"] for e in row.events if e.get("type") == "chunk"}
@@ -91,6 +119,10 @@ def measure(results: list[dict[str, Any]], db: Database) -> dict[str, float]:
         lag.extend((t - produced[eid]) * 1e3 for eid, t in chunks)
         client_gap.extend((b[1] - a[1]) * 1e3 for a, b in itertools.pairwise(chunks))
         worker_gap.extend((produced[b[0]] - produced[a[0]]) * 1e3 for a, b in itertools.pairwise(chunks))
+        first = produced[chunks[0][0]]
+        cuts = (result["sent"], row.created, row.started, first - engine_ttft, first, chunks[0][1])
+        for name, (a, b) in zip(STAGES, itertools.pairwise(cuts), strict=True):
+            stages[name].append((b - a) * 1e3)
     return {
         "ttfc_p50_ms": round(pct(ttfc, 50), 2),
         "ttfc_p99_ms": round(pct(ttfc, 99), 2),
@@ -101,6 +133,7 @@ def measure(results: list[dict[str, Any]], db: Database) -> dict[str, float]:
         "client_gap_p50_ms": round(pct(client_gap, 50), 2),
         "worker_gap_p50_ms": round(pct(worker_gap, 50), 2),
         "gap_added_p99_ms": round(pct(client_gap, 99) - pct(worker_gap, 99), 2),
+        **{f"stage_{name}_p{q}_ms": round(pct(v, q), 2) for name, v in stages.items() for q in (50, 99)},
     }
 
 
@@ -202,7 +235,9 @@ def run(
         f"n{n}": (
             "TTFC p99 {ttfc_p99_ms} ms vs direct AsyncLLM {direct_ttft_p99_ms} ms "
             "(+{added_vs_direct_p99_ms}), per job +{added_ttfc_p99_ms} ms p99, "
-            "delivery lag {delivery_lag_p99_ms} ms p99"
+            "delivery lag {delivery_lag_p99_ms} ms p99; first chunk p50 by stage: api "
+            "{stage_api_p50_ms}, queue {stage_queue_p50_ms}, worker {stage_worker_p50_ms}, engine "
+            "{stage_engine_p50_ms}, delivery {stage_delivery_p50_ms} ms"
         ).format(**out[f"n{n}"])
         for n in levels
     }

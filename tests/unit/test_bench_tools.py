@@ -237,3 +237,29 @@ def test_the_sse_client_keeps_a_refusals_body() -> None:
 
     got = asyncio.run(go())
     assert got.status == 429 and got.body == b'{"error": {}}' and not got.arrivals
+
+
+def test_b5_cuts_the_first_chunk_into_stages_that_add_up_to_it() -> None:
+    from bench import b5_stream
+
+    sent = 1000.0
+    # Made 3 ms after sending, claimed 5 ms later, first chunk produced 9 ms after the claim
+    # (the engine's time to first token 6 ms of it: 12 prompt tokens at 2,000 a second),
+    # read by the client 2 ms later; the second chunk 10 ms after the first.
+    row = SimpleNamespace(
+        created=sent + 0.003,
+        started=sent + 0.008,
+        events=[
+            {"type": "chunk", "id": "1-1", "t": sent + 0.017},
+            {"type": "chunk", "id": "1-2", "t": sent + 0.027},
+            {"type": "end", "id": "1-3"},
+        ],
+        generation_stats={"prompt_tokens": 12, "prompt_tps": 2000.0},
+    )
+    result = {"job_id": "job_1", "sent": sent, "arrivals": [("1-1", sent + 0.019), ("1-2", sent + 0.030)]}
+    got = b5_stream.figures([result], {"job_1": row})
+    stages = {name: got[f"stage_{name}_p50_ms"] for name in b5_stream.STAGES}
+    assert stages == pytest.approx({"api": 3.0, "queue": 5.0, "worker": 3.0, "engine": 6.0, "delivery": 2.0})
+    assert sum(stages.values()) == pytest.approx(got["ttfc_p50_ms"])
+    assert got["added_ttfc_p50_ms"] == pytest.approx(19.0 - 6.0)
+    assert got["delivery_lag_p99_ms"] == pytest.approx(3.0, abs=0.01)
