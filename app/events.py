@@ -23,6 +23,7 @@ from typing import Any
 
 from redis import Redis
 
+from app import connections
 from app.errors import InvalidRequest
 
 CANCEL_CHANNEL = "llmq:cancel"
@@ -138,7 +139,7 @@ class JobEvents:
         Subscribes first, then asks `is_done` (Postgres), so an end published between
         the two is never missed.
         """
-        pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+        pubsub = connections.pubsub(self._redis, ignore_subscribe_messages=True)
         try:
             pubsub.subscribe(job_channel(job_id))
             if is_done():

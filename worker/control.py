@@ -12,6 +12,7 @@ from typing import Any
 
 from redis import Redis
 
+from app import connections
 from app.events import CANCEL_CHANNEL
 from app.periodic import Periodic
 from app.services.health import mark_absent, mark_present, register_worker, unregister_worker
@@ -80,7 +81,7 @@ class CancelListener:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+            pubsub = connections.pubsub(self._redis, ignore_subscribe_messages=True)
             try:
                 pubsub.subscribe(CANCEL_CHANNEL)
                 while not self._stop.is_set():

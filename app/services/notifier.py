@@ -15,6 +15,7 @@ from typing import Any
 from redis import Redis
 from redis.exceptions import RedisError
 
+from app import connections
 from app.events import carried_event, is_end_notification, job_channel
 from app.services.feeds import JobFeed
 
@@ -127,7 +128,7 @@ class Notifier:
 
     def _loop(self) -> None:
         while not self._closing.is_set():
-            pubsub = self._redis.pubsub()
+            pubsub = connections.pubsub(self._redis)
             try:
                 with self._lock:
                     channels = list(self._waiters)

@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 import pytest
 import redis
 
+from app import connections
 from app.events import job_channel, notification
 from app.services.notifier import Notifier
 from tests.helpers import Stores
@@ -177,3 +178,38 @@ def test_close_stops_the_thread_without_waiting_out_the_poll(stores: Stores) -> 
     n.close(timeout=POLL_SECONDS + 2)
     assert time.monotonic() - started < 1.0
     client.close()
+
+
+def test_pubsub_messages_come_as_read_without_redis_pys_push_logging(
+    stores: Stores, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under RESP3 redis-py's default push handler formats every message and looks its
+    logger up to log it at DEBUG; llmq's pub/subs hand each message over as read."""
+    from redis._parsers import resp3
+
+    looked_up: list[str] = []
+    real = resp3.getLogger
+    monkeypatch.setattr(resp3, "getLogger", lambda name: looked_up.append(name) or real(name))
+    client = connections.redis_client(stores.redis_url)
+    channel = f"llmq-test:pubsub:{secrets.token_hex(4)}"
+    sub = connections.pubsub(client, ignore_subscribe_messages=True)
+    try:
+        sub.subscribe(channel)
+        deadline = time.monotonic() + 5
+        while not client.pubsub_numsub(channel)[0][1]:
+            assert time.monotonic() < deadline
+            sub.get_message(timeout=0.05)  # the confirmation, skipped
+        client.publish(channel, b'{"id": "1-1"}\n1-1')
+        message = None
+        while message is None and time.monotonic() < deadline:
+            message = sub.get_message(timeout=0.5)
+    finally:
+        sub.close()
+        client.close()
+    assert message is not None
+    assert (message["type"], message["channel"], message["data"]) == (
+        "message",
+        channel.encode(),
+        b'{"id": "1-1"}\n1-1',
+    )
+    assert looked_up == []
