@@ -155,8 +155,34 @@ def create_db_engine(
         # stream was theirs (diagnostic runs: the worst insert of 32 streams 37-84 ms in
         # turn, 3-10 ms last-in first-out).
         pool_use_lifo=True,
-        connect_args={"prepare_threshold": None} if transaction_pooler else {},
+        connect_args=connect_args(url, transaction_pooler=transaction_pooler),
     )
+
+
+# TCP keepalives on every connection (libpq's settings; a Unix socket ignores them). With
+# last-in first-out pools, the connections past the working set at low concurrency sit
+# idle until the next burst; a load balancer or NAT that drops idle flows (an AWS NLB after
+# 350 s) would leave them half-open, and the first statement on one would wait on a dead
+# peer. A probe after 60 s idle keeps such a flow open, and a peer that stopped answering
+# (a host that went away without a FIN) is found within 60 + 6 × 10 s instead of the
+# kernel's two hours.
+KEEPALIVES: dict[str, int] = {
+    "keepalives": 1,
+    "keepalives_idle": 60,
+    "keepalives_interval": 10,
+    "keepalives_count": 6,
+}
+
+
+def connect_args(url: str, *, transaction_pooler: bool = False) -> dict[str, object]:
+    """psycopg's connection arguments: `KEEPALIVES`, less any the URL's query sets itself
+    (an operator's `?keepalives_idle=30` wins), and no server-side prepared statements
+    behind a transaction pooler (`create_db_engine`)."""
+    given = sqlalchemy.engine.make_url(normalize_url(url)).query
+    args: dict[str, object] = {k: v for k, v in KEEPALIVES.items() if k not in given}
+    if transaction_pooler:
+        args["prepare_threshold"] = None
+    return args
 
 
 class Database:

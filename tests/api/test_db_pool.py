@@ -5,6 +5,7 @@ waiting for one."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -149,3 +150,38 @@ def test_the_connection_returned_last_is_taken_first(db: Database) -> None:
 
     seen = {backend() for _ in range(6)}
     assert len(seen) == 1
+
+
+def keepalive_options(db: Database) -> tuple[int, int, int, int]:
+    """The pooled connection's socket (TCP, as the tests reach Postgres): SO_KEEPALIVE,
+    TCP_KEEPIDLE, TCP_KEEPINTVL, TCP_KEEPCNT. Without settings, libpq leaves the kernel's
+    (1, 7200, 75, 9)."""
+    raw = db.engine.raw_connection()
+    try:
+        sock = socket.fromfd(raw.driver_connection.fileno(), socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            return (
+                sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE),
+                sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE),
+                sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL),
+                sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT),
+            )
+        finally:
+            sock.close()
+    finally:
+        raw.close()
+
+
+def test_connections_probe_their_peer_when_idle(db: Database) -> None:
+    """An idle pooled connection keeps its flow open through load balancers and finds a
+    peer gone without a word within minutes (TCP keepalives), not the kernel's two hours."""
+    assert keepalive_options(db) == (1, 60, 10, 6)
+
+
+def test_the_urls_own_keepalive_settings_win(stores: Stores) -> None:
+    url = stores.database_url + ("&" if "?" in stores.database_url else "?") + "keepalives_idle=30"
+    db = Database.from_url(url, PoolSize(pool=1, overflow=0))
+    try:
+        assert keepalive_options(db) == (1, 30, 10, 6)
+    finally:
+        db.dispose()
