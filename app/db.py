@@ -177,9 +177,12 @@ KEEPALIVES: dict[str, int] = {
 def connect_args(url: str, *, transaction_pooler: bool = False) -> dict[str, object]:
     """psycopg's connection arguments: `KEEPALIVES`, less any the URL's query sets itself
     (an operator's `?keepalives_idle=30` wins), and no server-side prepared statements
-    behind a transaction pooler (`create_db_engine`)."""
-    given = sqlalchemy.engine.make_url(normalize_url(url)).query
-    args: dict[str, object] = {k: v for k, v in KEEPALIVES.items() if k not in given}
+    behind a transaction pooler (`create_db_engine`). A URL of another database (the unit
+    tests' SQLite) gets none of them."""
+    parsed = sqlalchemy.engine.make_url(normalize_url(url))
+    if parsed.get_backend_name() != "postgresql":
+        return {}
+    args: dict[str, object] = {k: v for k, v in KEEPALIVES.items() if k not in parsed.query}
     if transaction_pooler:
         args["prepare_threshold"] = None
     return args

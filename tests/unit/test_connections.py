@@ -20,7 +20,7 @@ from app.connections import (
     worker_connections,
     worker_pool,
 )
-from app.db import Database, create_db_engine
+from app.db import KEEPALIVES, Database, connect_args, create_db_engine
 from app.settings import Settings
 from tests.helpers import ROOT
 
@@ -107,3 +107,16 @@ def test_downloads_later_pages_share_half_the_pool_and_first_pages_never_wait_fo
         t.join(5)
     assert sorted(order) == ["later-0", "later-1", "later-2"]
     db.dispose()
+
+
+def test_connection_arguments_by_database() -> None:
+    """Keepalives for Postgres (the URL's own settings win), nothing prepared behind a
+    transaction pooler, and nothing libpq-only for another database."""
+    assert connect_args("postgres://u@db/llmq") == KEEPALIVES
+    mine = connect_args("postgresql://u@db/llmq?keepalives_idle=30&keepalives=1")
+    assert mine == {"keepalives_interval": 10, "keepalives_count": 6}
+    assert connect_args("postgresql://u@pgbouncer/llmq", transaction_pooler=True) == {
+        **KEEPALIVES,
+        "prepare_threshold": None,
+    }
+    assert connect_args("sqlite:///pages.db") == {}
