@@ -11,6 +11,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from app.threads import name_native_thread
+
 
 class Periodic:
     def __init__(
@@ -39,6 +41,7 @@ class Periodic:
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
 
     def _loop(self) -> None:
+        name_native_thread()
         if self._at_start:
             self._round()
         while not self._pause():

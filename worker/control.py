@@ -16,6 +16,7 @@ from app import connections
 from app.events import CANCEL_CHANNEL
 from app.periodic import Periodic
 from app.services.health import mark_absent, mark_present, register_worker, unregister_worker
+from app.threads import name_native_thread
 from worker.runner import JobRunner
 from worker.store import JobStore
 
@@ -80,6 +81,7 @@ class CancelListener:
         self._thread = threading.Thread(target=self._loop, name="llmq-cancel", daemon=True)
 
     def _loop(self) -> None:
+        name_native_thread()
         while not self._stop.is_set():
             pubsub = connections.pubsub(self._redis, ignore_subscribe_messages=True)
             try:

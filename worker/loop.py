@@ -8,6 +8,8 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from app.threads import name_native_thread
+
 T = TypeVar("T")
 
 
@@ -18,6 +20,7 @@ class LoopThread:
         self._started = threading.Event()
 
     def _run(self) -> None:
+        name_native_thread()
         asyncio.set_event_loop(self._loop)
         self._loop.call_soon(self._started.set)
         self._loop.run_forever()

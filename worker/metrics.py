@@ -26,6 +26,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, g
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from app.metrics import CONTENT_TYPE, Collectors, Computed, build_info
+from app.threads import name_native_thread
 
 if TYPE_CHECKING:
     from _typeshed.wsgi import StartResponse, WSGIEnvironment
@@ -249,7 +250,7 @@ class MetricsServer:
 
     def start(self) -> int:
         server = make_server(self._address, self._port, self._app, _Server, handler_class=_Quiet)
-        threading.Thread(target=server.serve_forever, name="llmq-metrics", daemon=True).start()
+        threading.Thread(target=_serve, args=(server,), name="llmq-metrics", daemon=True).start()
         self._server = server
         return self.port or 0
 
@@ -258,3 +259,8 @@ class MetricsServer:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+
+def _serve(server: WSGIServer) -> None:
+    name_native_thread()
+    server.serve_forever()

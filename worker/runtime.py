@@ -30,6 +30,7 @@ from app.services.object_store import store_from_settings
 from app.services.sandbox import ConstraintSandbox
 from app.services.webhook_delivery import DeliveryConfig, WebhookDeliverer
 from app.settings import Settings
+from app.threads import name_native_thread
 from worker.batches import BatchScheduler
 from worker.control import CancelListener, LeaseKeeper, Presence, RegistryHeartbeat
 from worker.engine import Engine, InstantEngine
@@ -325,6 +326,7 @@ class WorkerRuntime:
     def _watch_engine(self) -> None:
         """An engine that died takes the worker down, so a supervisor restarts it and its
         jobs resume elsewhere; consuming more work here would only fail it."""
+        name_native_thread()
         self.runner.engine_dead.wait()
         if self._stopped.is_set():
             return

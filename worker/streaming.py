@@ -51,6 +51,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from app.completions import ChunkHeader
 from app.events import job_channel, job_stream, notification
+from app.threads import name_native_thread
 from worker.deltas import JobStream
 
 log = logging.getLogger("llmq.stream")
@@ -180,6 +181,7 @@ class StreamPublisher:
         return batch, stopping
 
     def _loop(self) -> None:
+        name_native_thread()
         stopping = False
         while not stopping:
             item = self._queue.get()
