@@ -68,6 +68,8 @@ def run(model: str, n: int = 64, max_tokens: int = 256) -> dict[str, Any]:
         "last_started_after_s": round(svc["last_start"], 3),
         "service_wall_s": round(svc["wall"], 3),
         "cpu_ms_per_job": use.per_unit_ms(n),
+        # The worker's process by thread: where its share over the direct client goes.
+        "worker_threads_ms_per_job": use.threads_per_unit_ms(n),
         # The bare AsyncLLM client's own process (engine core excluded), per request: what
         # the worker's process is held against (goal: worker <= 1.5x this).
         "direct_client_cpu_ms_per_job": round(client_cpu * 1e3 / n, 3),

@@ -5,13 +5,21 @@ and its backends) and Redis. A rate depends on the machine; CPU per job mostly d
 
 A group's time is the sum over its live processes of their own and their reaped children's
 times, so a backend that exits in between still counts (through the postmaster's cutime).
+
+The worker's own process is also cut by thread (`CpuUse.threads`), each read from
+/proc/<pid>/task/<tid>/stat under its kernel name (app/threads.py names llmq's threads:
+the engine's loop, Celery's task threads, the stream publisher, the feeder, ...; the main
+thread, Celery's consumer, is `main`). A thread that ends inside the stretch loses its time.
 """
 
 from __future__ import annotations
 
+import os
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import psutil
 
@@ -81,26 +89,78 @@ def _sample(groups: dict[str, list[psutil.Process]]) -> dict[str, dict[int, floa
     return out
 
 
+MAIN_THREAD = "main"
+# A process's threads: id -> (kernel name, CPU seconds).
+Threads = dict[int, tuple[str, float]]
+
+
+def thread_seconds(pid: int, proc_root: Path = Path("/proc")) -> Threads:
+    """CPU seconds of each live thread of `pid`, with its kernel name (the main thread's as
+    MAIN_THREAD); {} once the process is gone. The time is the scheduler's own count in
+    nanoseconds (`schedstat`'s first field): `stat`'s utime and stime come in whole clock
+    ticks, and 64 task threads each a tick short or over made the task threads' figure of
+    B1 wrong by up to 10 ms a job. Without `schedstat` (a kernel built without it), `stat`."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: Threads = {}
+    try:
+        tids = [int(t) for t in os.listdir(proc_root / str(pid) / "task")]
+    except OSError:
+        return out
+    for tid in tids:
+        task = proc_root / str(pid) / "task" / str(tid)
+        try:
+            stat = (task / "stat").read_text()
+            try:
+                seconds = int((task / "schedstat").read_text().split()[0]) / 1e9
+            except FileNotFoundError:
+                fields = stat[stat.rindex(")") + 2 :].split()
+                seconds = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+        except OSError:
+            continue  # ended meanwhile
+        # The name is between the first "(" and the last ")": it may hold either.
+        out[tid] = (MAIN_THREAD if tid == pid else stat[stat.index("(") + 1 : stat.rindex(")")], seconds)
+    return out
+
+
+def by_thread_name(before: Threads, after: Threads) -> dict[str, float]:
+    """Seconds each thread name spent between two `thread_seconds` readings, most first
+    (threads of one name, such as Celery's task threads, summed)."""
+    spent: Counter[str] = Counter()
+    for tid, (name, seconds) in after.items():
+        spent[name] += seconds - before.get(tid, (name, 0.0))[1]
+    return {name: round(s, 4) for name, s in spent.most_common() if s > 0}
+
+
 @dataclass
 class CpuUse:
-    """CPU seconds each group spent between `start` and `stop`."""
+    """CPU seconds each group spent between `start` and `stop`, and the worker's process's
+    by thread name."""
 
     seconds: dict[str, float] = field(default_factory=dict)
+    threads: dict[str, float] = field(default_factory=dict)
 
     def per_unit_ms(self, units: int) -> dict[str, float]:
         """Milliseconds per job or line, by group."""
         return {g: round(s * 1e3 / max(units, 1), 3) for g, s in self.seconds.items()}
+
+    def threads_per_unit_ms(self, units: int) -> dict[str, float]:
+        """Milliseconds per job or line of the worker's process, by thread name."""
+        return {t: round(s * 1e3 / max(units, 1), 3) for t, s in self.threads.items()}
 
 
 @contextmanager
 def measure(stack: Stack) -> Iterator[CpuUse]:
     """CPU by group over the `with` block; processes born inside it count from zero."""
     use = CpuUse()
+    worker = stack.procs["worker"].pid if "worker" in stack.procs else None
+    threads_before = thread_seconds(worker) if worker is not None else {}
     before = _sample(processes(stack))
     try:
         yield use
     finally:
         after = _sample(processes(stack))
+        if worker is not None:
+            use.threads = by_thread_name(threads_before, thread_seconds(worker))
         for group in GROUPS:
             start = before.get(group, {})
             end = after.get(group, {})

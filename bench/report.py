@@ -43,12 +43,22 @@ def figure(r: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
+# A worker thread's share is shown from this many ms per unit (the periodic threads' few
+# hundredths are left out).
+THREAD_SHOWN_MS = 0.01
+
+
 def cpu_line(r: dict[str, Any]) -> str:
-    """The CPU-per-unit figures a result carries (by process), compactly."""
+    """The CPU-per-unit figures a result carries (by process, then the worker's process by
+    thread when measured), compactly."""
     for key in ("cpu_ms_per_job", "cpu_ms_per_line"):
         if isinstance(r.get(key), dict):
             unit = "job" if key.endswith("job") else "line"
             cells = " ".join(f"{g}={v}" for g, v in r[key].items() if v)
+            threads = r.get(f"worker_threads_ms_per_{unit}")
+            if isinstance(threads, dict) and threads:
+                shown = " ".join(f"{t}={v}" for t, v in threads.items() if v >= THREAD_SHOWN_MS)
+                cells += f"; worker by thread: {shown}"
             return f"ms/{unit}: {cells}"
     return ""
 

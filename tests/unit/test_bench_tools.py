@@ -8,6 +8,8 @@ import asyncio
 import gc
 import http.server
 import json
+import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -53,6 +55,95 @@ def test_cpu_use_is_counted_for_the_group_that_spent_it() -> None:
     assert use.seconds["api"] >= 0.2
     assert use.seconds["worker"] == use.seconds["engine"] == 0.0
     assert use.per_unit_ms(100)["api"] >= 2.0
+
+
+# Names a thread of its own (app/threads.py), waits for a line, burns `s` seconds of CPU on
+# it, then waits for the end of its input.
+BURN_ON_THREAD = (
+    "import sys, threading, time\n"
+    "from app.threads import name_native_thread\n"
+    "def burn():\n"
+    "    name_native_thread('llmq-burner')\n"
+    "    sys.stdin.readline()\n"
+    "    t = time.thread_time()\n"
+    "    while time.thread_time() - t < {s}: pass\n"
+    "th = threading.Thread(target=burn)\nth.start()\nth.join()\nsys.stdin.read()"
+)
+
+
+def test_the_worker_process_cpu_is_cut_by_thread_name() -> None:
+    """A worker thread named natively that burns 0.4 s inside the measured stretch is
+    charged to its name; the main thread, which only waits, to `main` at most a little."""
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", BURN_ON_THREAD.format(s=0.4)],
+        stdin=subprocess.PIPE,
+        env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"},
+    )
+    assert proc.stdin is not None
+    stack: Any = SimpleNamespace(procs={"worker": proc}, servers=[])
+    try:
+        deadline = time.monotonic() + 30
+        while not any(name == "llmq-burner" for name, _ in cpu.thread_seconds(proc.pid).values()):
+            assert time.monotonic() < deadline, "the child never named its thread"
+            time.sleep(0.01)
+        with cpu.measure(stack) as use:
+            start = cpu.own_process_seconds([proc.pid])
+            proc.stdin.write(b"go\n")
+            proc.stdin.flush()
+            while cpu.own_process_seconds([proc.pid]) < start + 0.3:
+                assert time.monotonic() < deadline, "the child never burnt its CPU"
+                time.sleep(0.01)
+    finally:
+        proc.communicate(b"")
+    assert use.threads["llmq-burner"] >= 0.2
+    assert use.threads.get(cpu.MAIN_THREAD, 0.0) < 0.1
+    assert next(iter(use.threads)) == "llmq-burner"  # most first
+    assert use.threads_per_unit_ms(100)["llmq-burner"] >= 2.0
+
+
+@pytest.mark.parametrize("schedstat", [True, False], ids=["schedstat", "stat-ticks"])
+def test_threads_are_read_by_kernel_name_and_summed_per_name(tmp_path: Path, schedstat: bool) -> None:
+    """Names with spaces and parentheses are read whole; threads of one name are summed;
+    a thread born inside the stretch counts from zero, one gone loses its time. The time is
+    `schedstat`'s nanoseconds where the kernel has it, else `stat`'s ticks."""
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def write(tid: int, name: str, ticks: tuple[int, int]) -> None:
+        d = tmp_path / "40" / "task" / str(tid)
+        d.mkdir(parents=True, exist_ok=True)
+        if schedstat:
+            nanoseconds = (ticks[0] + ticks[1]) * 10**9 // tick
+            (d / "schedstat").write_text(f"{nanoseconds} 12345 67\n")
+            ticks = (0, 0)  # what a test of `stat` would read is not what counts
+        rest = " ".join(["S", *["0"] * 10, str(ticks[0]), str(ticks[1]), "0", "0"])
+        (d / "stat").write_text(f"{tid} ({name}) {rest}\n")
+
+    write(40, "celeryd: llmq-4", (10, 5))
+    write(41, "llmq-task", (1, 0))
+    write(42, "llmq-task", (2, 0))
+    write(43, "odd (name) x", (0, 0))
+    before = cpu.thread_seconds(40, tmp_path)
+    assert before[40][0] == cpu.MAIN_THREAD and before[43][0] == "odd (name) x"
+    write(40, "celeryd: llmq-4", (10, 5 + tick))  # main: 1 s of system time
+    write(41, "llmq-task", (1 + tick, 0))  # 1 s
+    write(42, "llmq-task", (2 + 2 * tick, 0))  # 2 s
+    write(44, "llmq-task", (tick, 0))  # born inside: 1 s
+    shutil.rmtree(tmp_path / "40" / "task" / "43")
+    spent = cpu.by_thread_name(before, cpu.thread_seconds(40, tmp_path))
+    assert spent == {"llmq-task": 4.0, cpu.MAIN_THREAD: 1.0}
+    assert cpu.thread_seconds(99, tmp_path) == {}
+
+
+def test_the_report_shows_the_worker_by_thread_after_the_processes() -> None:
+    line = report.cpu_line(
+        {
+            "cpu_ms_per_job": {"api": 4.5, "worker": 17.2, "redis": 0.0},
+            "worker_threads_ms_per_job": {"llmq-engine-loo": 12.7, "llmq-task": 3.1, "llmq-presence": 0.004},
+        }
+    )
+    assert line == "ms/job: api=4.5 worker=17.2; worker by thread: llmq-engine-loo=12.7 llmq-task=3.1"
+    assert report.cpu_line({"cpu_ms_per_line": {"worker": 0.46}}) == "ms/line: worker=0.46"
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
