@@ -32,24 +32,31 @@ BURN = (
 )
 
 
+def _measured_burn(proc: subprocess.Popen[bytes], group: str) -> cpu.CpuUse:
+    """`cpu.measure` over the stretch in which `proc` (as `group`) burns its CPU."""
+    assert proc.stdin is not None
+    stack: Any = SimpleNamespace(procs={group: proc}, servers=[])
+    with cpu.measure(stack) as use:
+        start = cpu.own_process_seconds([proc.pid])
+        proc.stdin.write(b"go\n")
+        proc.stdin.flush()
+        # /proc counts user and system time apart, each in whole clock ticks: the sum can
+        # read up to two ticks short of what the child burnt (waiting for all 0.4 s once
+        # hung the suite), so wait for 0.3 s of it, and not forever.
+        deadline = time.monotonic() + 30
+        while cpu.own_process_seconds([proc.pid]) < start + 0.3:
+            assert time.monotonic() < deadline, "the child never burnt its CPU"
+            time.sleep(0.01)
+    return use
+
+
 def test_cpu_use_is_counted_for_the_group_that_spent_it() -> None:
     """A child that burns 0.4 s of CPU inside the measured stretch is charged to its group
     (here "api"), and nothing to the groups with no process."""
     proc = subprocess.Popen([sys.executable, "-c", BURN.format(s=0.4)], stdin=subprocess.PIPE)
     assert proc.stdin is not None
-    stack: Any = SimpleNamespace(procs={"api": proc}, servers=[])
     try:
-        with cpu.measure(stack) as use:
-            start = cpu.own_process_seconds([proc.pid])
-            proc.stdin.write(b"go\n")
-            proc.stdin.flush()
-            # /proc counts user and system time apart, each in whole clock ticks: the sum can
-            # read up to two ticks short of what the child burnt (waiting for all 0.4 s once
-            # hung the suite), so wait for 0.3 s of it, and not forever.
-            deadline = time.monotonic() + 30
-            while cpu.own_process_seconds([proc.pid]) < start + 0.3:
-                assert time.monotonic() < deadline, "the child never burnt its CPU"
-                time.sleep(0.01)
+        use = _measured_burn(proc, "api")
     finally:
         proc.communicate(b"")
     assert use.seconds["api"] >= 0.2
@@ -80,20 +87,12 @@ def test_the_worker_process_cpu_is_cut_by_thread_name() -> None:
         stdin=subprocess.PIPE,
         env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"},
     )
-    assert proc.stdin is not None
-    stack: Any = SimpleNamespace(procs={"worker": proc}, servers=[])
     try:
         deadline = time.monotonic() + 30
         while not any(name == "llmq-burner" for name, _ in cpu.thread_seconds(proc.pid).values()):
             assert time.monotonic() < deadline, "the child never named its thread"
             time.sleep(0.01)
-        with cpu.measure(stack) as use:
-            start = cpu.own_process_seconds([proc.pid])
-            proc.stdin.write(b"go\n")
-            proc.stdin.flush()
-            while cpu.own_process_seconds([proc.pid]) < start + 0.3:
-                assert time.monotonic() < deadline, "the child never burnt its CPU"
-                time.sleep(0.01)
+        use = _measured_burn(proc, "worker")
     finally:
         proc.communicate(b"")
     assert use.threads["llmq-burner"] >= 0.2
