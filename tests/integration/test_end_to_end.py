@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 
 import pytest
 from sqlalchemy import text
@@ -55,6 +57,19 @@ def test_one_job_carries_completion_usage_and_measured_stats(stack: Stack) -> No
     assert job["power_usage"] is None  # no sensor on a CPU worker
     assert job["attempts"] == 1 and job["epoch"] == 1
     assert job["started_at"] and job["succeeded_at"]
+
+
+def test_the_workers_threads_carry_their_names_to_the_kernel(stack: Stack) -> None:
+    """What `top -H` and `ps -L` show, and bench/cpu.py cuts the worker's CPU by: the
+    engine's loop, Celery's task threads (once one has run a job), the stream publisher and
+    the periodic threads under their own names; the main thread keeps the process's."""
+    assert run(stack, max_tokens=4)["status"] == "succeeded"
+    assert stack.worker.proc is not None
+    tasks = Path(f"/proc/{stack.worker.proc.pid}/task")
+    names = {(tasks / tid / "comm").read_text().strip() for tid in os.listdir(tasks)}
+    assert {"llmq-engine-loo", "llmq-task", "llmq-stream-pub", "llmq-sweeper", "llmq-batches"} <= names
+    main = (tasks / str(stack.worker.proc.pid) / "comm").read_text().strip()
+    assert not main.startswith("llmq-"), main
 
 
 def test_max_tokens_gives_length_and_exact_count(stack: Stack) -> None:
