@@ -12,6 +12,9 @@ from app.threads import name_native_thread
 
 T = TypeVar("T")
 
+# The loop's executor threads' name (`llmq-loop-exec_<n>`; the kernel keeps 15 bytes).
+EXECUTOR_THREADS = "llmq-loop-exec"
+
 
 class LoopThread:
     def __init__(self, name: str = "llmq-engine-loop") -> None:
@@ -21,6 +24,13 @@ class LoopThread:
 
     def _run(self) -> None:
         name_native_thread()
+        # A thread takes its creator's kernel name: the loop's executor threads (vLLM runs
+        # some of its work there) would show as the loop itself. They get their own.
+        self._loop.set_default_executor(
+            concurrent.futures.ThreadPoolExecutor(
+                thread_name_prefix=EXECUTOR_THREADS, initializer=name_native_thread
+            )
+        )
         asyncio.set_event_loop(self._loop)
         self._loop.call_soon(self._started.set)
         self._loop.run_forever()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 from app.periodic import Periodic
 from app.threads import name_native_thread
 from tests.unit.test_runner import wait_until
+from worker.loop import LoopThread
 
 
 def _kernel_name(tid: int) -> str:
@@ -66,3 +68,19 @@ def test_a_periodic_thread_runs_under_its_name() -> None:
         periodic.stop()
         periodic.join(5)
     assert names[0] == "llmq-sweeper"
+
+
+def test_the_engine_loops_executor_threads_have_their_own_name() -> None:
+    """A thread takes its creator's kernel name: without a name of their own, the loop's
+    executor threads (where vLLM runs some of its work) would be counted as the loop."""
+    loop = LoopThread()
+    loop.start()
+    try:
+
+        async def executor_thread_name() -> str:
+            running = asyncio.get_running_loop()
+            return await running.run_in_executor(None, lambda: _kernel_name(threading.get_native_id()))
+
+        assert loop.call(executor_thread_name(), timeout=10) == "llmq-loop-exec_"
+    finally:
+        loop.stop()
