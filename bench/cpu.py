@@ -7,7 +7,7 @@ A group's time is the sum over its live processes of their own and their reaped 
 times, so a backend that exits in between still counts (through the postmaster's cutime).
 
 The worker's own process is also cut by thread (`CpuUse.threads`), each read from
-/proc/<pid>/task/<tid>/stat under its kernel name (app/threads.py names llmq's threads:
+/proc/<pid>/task/<tid>/schedstat under its kernel name (app/threads.py names llmq's threads:
 the engine's loop, Celery's task threads, the stream publisher, the feeder, ...; the main
 thread, Celery's consumer, is `main`). A thread that ends inside the stretch loses its time.
 """
