@@ -6,7 +6,11 @@ from __future__ import annotations
 import re
 import threading
 import time
+from importlib import metadata
 from pathlib import Path
+from unittest import mock
+
+import redis.utils
 
 from app.connections import (
     ADMIN_CONNECTIONS,
@@ -17,6 +21,8 @@ from app.connections import (
     Fleet,
     PoolSize,
     api_pool,
+    quick_redis_client,
+    redis_client,
     worker_connections,
     worker_pool,
 )
@@ -120,3 +126,14 @@ def test_connection_arguments_by_database() -> None:
         "prepare_threshold": None,
     }
     assert connect_args("sqlite:///pages.db") == {}
+
+
+def test_a_new_redis_connection_names_the_library_without_reading_its_metadata_again() -> None:
+    """Every process's clients share the driver's name and version, found once: a burst that
+    opens dozens of connections does not read the package's metadata from disk for each."""
+    clients = [redis_client("redis://127.0.0.1:1/0"), quick_redis_client("redis://127.0.0.1:1/0")]
+    with mock.patch.object(redis.utils, "get_lib_version", side_effect=AssertionError("metadata read")):
+        connections = [c.connection_pool.make_connection() for c in clients for _ in range(3)]
+    for connection in connections:
+        assert connection.driver_info.formatted_name == "redis-py"
+        assert connection.driver_info.lib_version == metadata.version("redis")
