@@ -7,7 +7,6 @@ overwrite the result of the worker that took over.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -16,6 +15,7 @@ from sqlalchemy import select, text
 
 from app.db import Database
 from app.domain.status import JobStatus
+from app.jsontext import compact
 from app.liveness import set_enqueued
 from app.models import Job
 from app.services.webhook_outbox import FINISH_EVENTS, new_event_id, record_jobs
@@ -108,7 +108,7 @@ _CLAIM_ONE = text(_CLAIM_SQL.replace("{ids}", "id = :id"))
 # The rows travel as one JSON array of objects whose documents are JSON strings:
 # json_to_recordset parses each row once into typed columns, a document's column being the
 # string's own text, cast to json as is, so U+0000 (which a model can produce and `jsonb`
-# refuses) survives; one json.dumps in C beats psycopg escaping text arrays. (Read with
+# refuses) survives; one serialization in C (app/jsontext.py) beats psycopg escaping text arrays. (Read with
 # `r->>n` from json_array_elements instead, every mention of a field parsed the whole row
 # again, `status` alone 17 times: 0.27 ms of Postgres CPU per line of B2, a quarter of all.)
 # A single job that ends gets its webhook events in the same statement: an event id is
@@ -167,7 +167,7 @@ _OWNED = text(
 
 
 def _doc(value: Any) -> str | None:
-    return None if value is None else json.dumps(value, separators=(",", ":"))
+    return None if value is None else compact(value)
 
 
 class JobStore:
@@ -224,7 +224,7 @@ class JobStore:
             }
             for r in results
         ]
-        params = {"rows": json.dumps(rows, separators=(",", ":")), "ids": [r.job_id for r in results]}
+        params = {"rows": compact(rows), "ids": [r.job_id for r in results]}
         return {row[0] for row in self._db.returning(_FINISH, params)}
 
     def extend_leases(self, owner: str, lease_seconds: float) -> dict[str, tuple[int, bool]]:

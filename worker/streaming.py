@@ -51,6 +51,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from app.completions import ChunkHeader
 from app.events import job_channel, job_stream, notification
+from app.jsontext import compact_bytes
 from app.threads import name_native_thread
 from worker.deltas import JobStream
 
@@ -263,7 +264,7 @@ class StreamPublisher:
                     key,
                     job_channel(job_id).encode(),
                     event_id.encode(),
-                    json.dumps(event).encode(),
+                    compact_bytes(event),
                     self._max_len,
                     b"0" if event_id.endswith("-1") else b"1",
                     notification(event_id, final=final).encode(),

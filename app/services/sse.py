@@ -8,13 +8,14 @@ from typing import Any
 
 from app.errors import error_object
 from app.events import EventId
+from app.jsontext import compact
 
 HEARTBEAT = ": keep-alive\n\n"
 DONE = "data: [DONE]\n\n"
 
 
 def frame(data: Mapping[str, Any], event_id: str) -> str:
-    return f"id: {event_id}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
+    return f"id: {event_id}\ndata: {compact(data)}\n\n"
 
 
 def frame_data(text: str) -> str | None:
@@ -28,7 +29,7 @@ def frame_data(text: str) -> str | None:
 
 def named_frame(event: str, data: Mapping[str, Any]) -> str:
     """An event with a name (`event:`), for what is not one of the stream's items."""
-    return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
+    return f"event: {event}\ndata: {compact(data)}\n\n"
 
 
 def revoked() -> Iterator[str]:

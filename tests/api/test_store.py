@@ -28,7 +28,7 @@ def test_bulk_results_keep_nul_characters_and_respect_the_fence(services) -> Non
             ids[0],
             1,
             "succeeded",
-            response=response("a\u0000b"),
+            response=response("a\u0000b é ☃ \U0001f600 \u2028"),
             usage={"completion_tokens": 1},
             events=[{"id": "1-1", "type": "chunk", "data": {"x": "\u0000"}}],
         ),
@@ -44,7 +44,7 @@ def test_bulk_results_keep_nul_characters_and_respect_the_fence(services) -> Non
                 {"i": ids},
             )
         }
-    assert rows[ids[0]].response["choices"][0]["message"]["content"] == "a\u0000b"
+    assert rows[ids[0]].response["choices"][0]["message"]["content"] == "a\u0000b é ☃ \U0001f600 \u2028"
     assert rows[ids[0]].events[0]["data"]["x"] == "\u0000" and rows[ids[0]].finished_by == "w1"
     assert rows[ids[1]].status == "failed"
     assert rows[ids[2]].status == "running" and rows[ids[2]].response is None
