@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import ConnectionPoolEntry, PoolProxiedConnection, QueuePool
 from sqlalchemy.util import queue as sqla_queue
 
-from app import tracing
+from app import jsontext, tracing
 from app.connections import PoolSize
 from app.settings import Settings
 
@@ -155,6 +155,8 @@ def create_db_engine(
         # stream was theirs (diagnostic runs: the worst insert of 32 streams 37-84 ms in
         # turn, 3-10 ms last-in first-out).
         pool_use_lifo=True,
+        # json and jsonb columns come back parsed by pydantic-core (app/jsontext.py).
+        json_deserializer=jsontext.loads,
         connect_args=connect_args(url, transaction_pooler=transaction_pooler),
     )
 
