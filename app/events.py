@@ -14,7 +14,6 @@ its epoch, so it sorts after anything that attempt wrote.
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from collections.abc import Callable
@@ -25,6 +24,7 @@ from redis import Redis
 
 from app import connections
 from app.errors import InvalidRequest
+from app.jsontext import compact_bytes
 
 CANCEL_CHANNEL = "llmq:cancel"
 END_EVENT = "end"
@@ -128,7 +128,7 @@ class JobEvents:
         for start in range(0, len(ends), page):
             pipe = self._redis.pipeline(transaction=False)
             for job_id, event in ends[start : start + page]:
-                pipe.xadd(job_stream(job_id), {"e": json.dumps(event)}, id=event["id"])
+                pipe.xadd(job_stream(job_id), {"e": compact_bytes(event)}, id=event["id"])
                 pipe.expire(job_stream(job_id), STREAM_EXPIRE_SECONDS)
                 pipe.publish(job_channel(job_id), notification(event["id"], final=True))
             pipe.execute(raise_on_error=False)

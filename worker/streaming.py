@@ -37,7 +37,6 @@ the publisher writes the whole history again once it reconnects.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import queue
 import threading
@@ -306,7 +305,7 @@ class StreamPublisher:
             key = job_stream(job_id)
             pipe.delete(key)
             for event in events:
-                pipe.xadd(key, {"e": json.dumps(event)}, id=event["id"])
+                pipe.xadd(key, {"e": compact_bytes(event)}, id=event["id"])
             pipe.publish(job_channel(job_id), events[-1]["id"])
         pipe.execute(raise_on_error=False)
         log.warning("stream logs rebuilt after Redis lost them", extra={"jobs": len(snapshot)})
