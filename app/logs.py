@@ -30,12 +30,17 @@ from app.settings import Settings, unknown_environment
 
 _MASK = "***"
 _SENSITIVE_WORDS = r"(?:api[_-]?key|key|secret|token|password|passwd|credential)"
-_PATTERNS: list[tuple[re.Pattern[str], str]] = [
+# Each pattern after its gate: text that a line must hold (one of the strings, or a match of
+# the expression), lower-cased as `mask_secrets` folds it, for the pattern to match at all.
+# A line that fails the gate skips the pattern. Most lines hold none of them, and running
+# every pattern over every line took 44 of a log line's 51 µs of formatting.
+_PATTERNS: list[tuple[tuple[str, ...] | re.Pattern[str], re.Pattern[str], str]] = [
     # `Bearer <token>`, `Basic <credentials>`, whatever the header's casing.
-    (re.compile(r"(?i)\b(bearer)\s+[^\s\\\"',;}]+"), r"\1 " + _MASK),
-    (re.compile(r"(?i)\b(basic)\s+[A-Za-z0-9+/]{8,}={0,2}"), r"\1 " + _MASK),
+    (("bearer",), re.compile(r"(?i)\b(bearer)\s+[^\s\\\"',;}]+"), r"\1 " + _MASK),
+    (("basic",), re.compile(r"(?i)\b(basic)\s+[A-Za-z0-9+/]{8,}={0,2}"), r"\1 " + _MASK),
     # An Authorization header whose value has no scheme word.
     (
+        ("authorization",),
         re.compile(
             r"(?i)(\bauthorization(?:\\?[\"'])?\s*[:=]\s*(?:\\?[\"'])?)(?!bearer\b|basic\b)[^\s\\\"',;}]+"
         ),
@@ -43,6 +48,7 @@ _PATTERNS: list[tuple[re.Pattern[str], str]] = [
     ),
     # `key=value`, `api_key: value`, `"token": "value"`, `x_secret=value` ...
     (
+        re.compile(_SENSITIVE_WORDS + r"(?:\\?[\"'])?\s*[:=]"),
         re.compile(
             r"(?i)((?<![a-z0-9])[a-z0-9_\-]*"
             + _SENSITIVE_WORDS
@@ -51,20 +57,24 @@ _PATTERNS: list[tuple[re.Pattern[str], str]] = [
         r"\1" + _MASK,
     ),
     # A password in a URL: scheme://user:password@host.
-    (re.compile(r"(://[^/\s:@]+:)[^@\s/]+@"), r"\1" + _MASK + "@"),
+    (("://",), re.compile(r"(://[^/\s:@]+:)[^@\s/]+@"), r"\1" + _MASK + "@"),
     # Postgres puts values into its diagnostics, whatever the client's hide_parameters:
     # the failing row of a constraint (a job's request with its prompt, a key's prefix),
     # the line a COPY was at (a batch line), a duplicate key's value, rejected input.
-    (re.compile(r"(Failing row contains )\([^\n]*"), r"\1(" + _MASK + ")"),
-    (re.compile(r"(COPY [^,\n]+, line \d+(?:, column [^:\n]+)?): [^\n]*"), r"\1: " + _MASK),
-    (re.compile(r"(JSON data, line \d+: )[^\n]*"), r"\1" + _MASK),
-    (re.compile(r"(Key \([^)\n]*\)=)\([^\n]*"), r"\1(" + _MASK + ")"),
-    (re.compile(r"(Token )\"[^\n]*\"( is invalid)"), r"\1" + _MASK + r"\2"),
-    (re.compile(r"(invalid input (?:syntax|value) for [^:\n]+: )[^\n]*"), r"\1" + _MASK),
+    (("failing row contains ",), re.compile(r"(Failing row contains )\([^\n]*"), r"\1(" + _MASK + ")"),
+    (("copy ",), re.compile(r"(COPY [^,\n]+, line \d+(?:, column [^:\n]+)?): [^\n]*"), r"\1: " + _MASK),
+    (("json data, line ",), re.compile(r"(JSON data, line \d+: )[^\n]*"), r"\1" + _MASK),
+    (("key (",), re.compile(r"(Key \([^)\n]*\)=)\([^\n]*"), r"\1(" + _MASK + ")"),
+    (('token "',), re.compile(r"(Token )\"[^\n]*\"( is invalid)"), r"\1" + _MASK + r"\2"),
+    (("invalid input ",), re.compile(r"(invalid input (?:syntax|value) for [^:\n]+: )[^\n]*"), r"\1" + _MASK),
     # Keys of known shapes, wherever they stand.
-    (re.compile(r"\bllmq-[A-Za-z0-9_\-]{8,}"), "llmq-" + _MASK),
-    (re.compile(r"\bsk-[A-Za-z0-9_\-]{8,}"), "sk-" + _MASK),
+    (("llmq-",), re.compile(r"\bllmq-[A-Za-z0-9_\-]{8,}"), "llmq-" + _MASK),
+    (("sk-",), re.compile(r"\bsk-[A-Za-z0-9_\-]{8,}"), "sk-" + _MASK),
 ]
+# The four non-ASCII letters that IGNORECASE matches to ASCII ones (re's documentation:
+# U+0130 and U+0131 to i, U+017F to s, U+212A to k), as those ASCII letters: with them and
+# lower(), a line that could match a pattern holds its gate's text.
+_FOLD = str.maketrans({"\u0130": "i", "\u0131": "i", "\u017f": "s", "\u212a": "k"})
 _STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
 _SENSITIVE_FIELD = re.compile(r"(?i)" + _SENSITIVE_WORDS + r"$|^authorization$")
 
@@ -93,7 +103,13 @@ def mask_secrets(text: str) -> str:
     for secret in _SECRETS_LONGEST_FIRST:
         if secret in text:
             text = text.replace(secret, _MASK)
-    for pattern, replacement in _PATTERNS:
+    folded = (text if text.isascii() else text.translate(_FOLD)).lower()
+    for gate, pattern, replacement in _PATTERNS:
+        if isinstance(gate, re.Pattern):
+            if gate.search(folded) is None:
+                continue
+        elif not any(map(folded.__contains__, gate)):
+            continue
         text = pattern.sub(replacement, text)
     return text
 
