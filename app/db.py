@@ -155,7 +155,11 @@ def create_db_engine(
         # stream was theirs (diagnostic runs: the worst insert of 32 streams 37-84 ms in
         # turn, 3-10 ms last-in first-out).
         pool_use_lifo=True,
-        # json and jsonb columns come back parsed by pydantic-core (app/jsontext.py).
+        # json and jsonb values go to Postgres as compact JSON written by pydantic-core, as
+        # the worker writes a result's documents, and come back parsed by it
+        # (app/jsontext.py): psycopg's dumper and loader for this engine's connections (a
+        # job's request at submit: 2.6 -> 0.75 µs).
+        json_serializer=jsontext.compact,
         json_deserializer=jsontext.loads,
         connect_args=connect_args(url, transaction_pooler=transaction_pooler),
     )

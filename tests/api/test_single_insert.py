@@ -16,6 +16,7 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.exc import IntegrityError, OperationalError
 
+from app import jsontext
 from app.connections import PoolSize
 from app.db import Database
 from app.errors import RateLimited
@@ -98,6 +99,24 @@ def test_every_path_stores_the_same_row(db: Database, tenant: str, metadata: dic
     assert rows[0] == rows[1] == rows[2]
     assert rows[0]["metadata"] == metadata and rows[0]["priority"] == 3
     assert rows[0]["request"]["messages"][0]["content"] == "héllo \u2028 there"
+
+
+def test_every_path_writes_json_as_the_worker_does(db: Database, tenant: str) -> None:
+    """A request's text in its json column is the same compact UTF-8 whichever path wrote
+    it, as the worker writes a result's documents (app/jsontext.py): not json.dumps's
+    spaced, ASCII-escaped text."""
+    near = max_connections(db)
+    same = row(tenant)
+    rows = [{**same, "id": new_id("job")} for _ in range(3)]
+    for cap, one in zip((10**6, near, 0), rows, strict=True):
+        insert_single_job(db, tenant, cap, one)
+    with db.reading() as s:
+        texts = {
+            s.execute(text("SELECT request::text FROM jobs WHERE id = :id"), {"id": one["id"]}).scalar_one()
+            for one in rows
+        }
+    assert texts == {jsontext.compact(same["request"])}
+    assert "héllo \u2028 there" in next(iter(texts))
 
 
 HOSTILE = "it's \\' \"q\" %(tenant_id)s %s $1 ?; DROP TABLE jobs; -- \x01 E'\\x' \U0001f600"
