@@ -111,15 +111,26 @@ class ApiMetrics:
             ["model", "kind"],
             registry=self.registry,
         )
+        # Each series's children, looked up once: prometheus_client's `labels()` takes a lock
+        # and builds its key on every call (a request's two: 4.2 -> 1.6 µs). Keyed by the
+        # label values, so these hold the children the metrics hold anyway, no more.
+        self._requests: dict[tuple[str, str, str], tuple[Counter, Histogram]] = {}
+        self._submitted: dict[tuple[str, str], Counter] = {}
 
     def observe_request(self, route: str | None, method: str, status: int, seconds: float) -> None:
         labels = (route or UNMATCHED, method if method in METHODS else "other", str(status))
-        self.requests.labels(*labels).inc()
-        self.duration.labels(*labels).observe(seconds)
+        series = self._requests.get(labels)
+        if series is None:
+            series = self._requests[labels] = (self.requests.labels(*labels), self.duration.labels(*labels))
+        series[0].inc()
+        series[1].observe(seconds)
 
     def count_submitted(self, model: str, kind: str, count: int = 1) -> None:
         if count > 0:
-            self.submitted.labels(model, kind).inc(count)
+            child = self._submitted.get((model, kind))
+            if child is None:
+                child = self._submitted[(model, kind)] = self.submitted.labels(model, kind)
+            child.inc(count)
 
     def exposition(self, *computed: Collector) -> bytes:
         """The text a scrape gets: every process's recorded figures, then `computed`."""

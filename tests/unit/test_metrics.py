@@ -138,6 +138,31 @@ def test_energy_is_exposed_only_where_a_sensor_exists() -> None:
     assert value(text, "llmq_device_energy_joules_total", device="GPU-0") == 12.5
 
 
+def test_each_request_counts_in_its_own_series() -> None:
+    """The API's request series, their children looked up once per label values: each
+    observation lands in its route, method and status; a method outside the known set
+    counts as `other`, however many such names arrive."""
+    api = ApiMetrics()
+    for method in ("GET", "GET", "POST", "BREW", "SPAM"):
+        api.observe_request("/v2/jobs/<job_id>", method, 200, 0.01)
+    api.observe_request(None, "GET", 404, 0.02)
+    api.count_submitted("m", "single")
+    api.count_submitted("m", "batch_line", 3)
+    api.count_submitted("m", "single")
+    text = generate_latest(api.registry).decode()
+    route = "/v2/jobs/<job_id>"
+    assert value(text, "llmq_http_requests_total", route=route, method="GET", status="200") == 2
+    assert value(text, "llmq_http_requests_total", route=route, method="POST", status="200") == 1
+    assert value(text, "llmq_http_requests_total", route=route, method="other", status="200") == 2
+    assert value(text, "llmq_http_requests_total", route="unmatched", method="GET", status="404") == 1
+    duration = "llmq_http_request_duration_seconds"
+    assert value(text, f"{duration}_count", route=route, method="other", status="200") == 2
+    assert value(text, f"{duration}_sum", route="unmatched", method="GET", status="404") == 0.02
+    assert value(text, "llmq_jobs_submitted_total", model="m", kind="single") == 2
+    assert value(text, "llmq_jobs_submitted_total", model="m", kind="batch_line") == 3
+    assert len(api._requests) == 4
+
+
 def _expositions() -> list[str]:
     """Everything llmq itself defines, with a sample in each labelled family: what an API
     replica holding the cluster lease sends (with and without worker details), and a worker."""
