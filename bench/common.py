@@ -32,10 +32,11 @@ def service(model: str, served_name: str, **env: str) -> Iterator[Stack]:
     settings = Settings()
     data_dir = Path(tempfile.mkdtemp(prefix="llmq-bench-"))
     data_dir.chmod(0o755)
+    # Logs at the level `llmq up` and the Procfile keep by default (INFO: the API writes two
+    # lines a job, the worker four), into the data dir's log files as `llmq up` does.
     child_env = {
         "LLMQ_MODEL": model,
         "LLMQ_SERVED_MODEL_NAME": served_name,
-        "LLMQ_LOG_LEVEL": "WARNING",
         **env,
     }
     stack = Stack(
