@@ -6,25 +6,17 @@ included."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from app import logs
 from app.logs import mask_secrets
+from tests.fuzzing import fuzz_settings
 
 pytestmark = pytest.mark.unit
 
-EXAMPLES = int(os.environ.get("LLMQ_FUZZ_EXAMPLES", "200")) * 10
-FUZZ = settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    suppress_health_check=list(HealthCheck),
-    derandomize=os.environ.get("CI") == "true",
-    database=None,
-)
+FUZZ = fuzz_settings(200, scale=10)
 
 PIECES = [
     "Bearer ",

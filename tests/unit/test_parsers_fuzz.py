@@ -5,9 +5,8 @@ what they accept means what it says. `bash scripts/fuzz.sh` runs these longer.""
 from __future__ import annotations
 
 import json
-import os
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from app.errors import InvalidRequest, LlmqError
@@ -15,16 +14,10 @@ from app.events import EventId, parse_event_id
 from app.services.contract import RequestPolicy
 from app.services.files import LineChecker
 from app.settings import Settings
+from tests.fuzzing import fuzz_settings
 from tests.unit.fakes import served
 
-EXAMPLES = int(os.environ.get("LLMQ_FUZZ_EXAMPLES", "200"))
-FUZZ = settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    suppress_health_check=list(HealthCheck),
-    derandomize=os.environ.get("CI") == "true",
-    database=None,
-)
+FUZZ = fuzz_settings(200)
 POLICY = RequestPolicy(Settings(), served("m"))
 
 json_values = st.recursive(
