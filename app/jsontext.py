@@ -7,9 +7,10 @@ completion: 6.6 against 2.3 µs). Non-ASCII text goes as UTF-8, not as escapes; 
 characters (U+0000 included) are escaped all the same, as JSON requires.
 
 And the parser of every json and jsonb column read from Postgres (`loads`, psycopg's loader
-for llmq's engines): faster than json.loads (a one-token completion's response, 20,000
-distinct ones: 6.2 against 2.3 µs), which a batch's finalize runs once per line to measure
-its output, and every download of it again."""
+for llmq's engines) and of every stream event the API relays: faster than json.loads (a
+one-token completion's response, 20,000 distinct ones: 6.2 against 2.3 µs; a chunk's event
+3.7 against 1.4), which a batch's finalize runs once per line to measure its output, every
+download of it again, and a stream once per chunk."""
 
 from __future__ import annotations
 

@@ -6,7 +6,6 @@ and follows the log as read so far costs no XRANGE at all."""
 from __future__ import annotations
 
 import bisect
-import json
 import threading
 import time
 from collections.abc import Callable
@@ -15,6 +14,7 @@ from typing import Any, TypeVar
 
 from redis import Redis
 
+from app import jsontext
 from app.events import END_EVENT, EventId, job_stream, parse_event_id
 
 T = TypeVar("T")
@@ -105,7 +105,7 @@ class JobFeed:
         reads again)."""
         with self._lock:
             if self._unparsed:
-                self._events.extend(json.loads(raw) for raw in self._unparsed)
+                self._events.extend(jsontext.loads(raw) for raw in self._unparsed)
                 self._unparsed.clear()
             version = self._version()
             if version != self._read_version:
@@ -122,7 +122,7 @@ class JobFeed:
         entries, exists = pipe.execute()
         self.reads += 1
         for _, fields in entries:
-            event = json.loads(fields[b"e"])
+            event = jsontext.loads(fields[b"e"])
             eid = event_id(event)
             if self._ids and event.get("type") != END_EVENT and eid.epoch > self._ids[0].epoch:
                 # A new attempt's worker deleted the log before its first event; drop the

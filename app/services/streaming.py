@@ -10,7 +10,6 @@ under gevent, no thread.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -22,6 +21,7 @@ from redis import Redis
 from redis.exceptions import RedisError
 from sqlalchemy.exc import SQLAlchemyError
 
+from app import jsontext
 from app.completions import usage_chunk
 from app.db import Database
 from app.domain.status import JobKind, JobStatus
@@ -163,7 +163,7 @@ class StreamService:
         pipe.xrange(key, start, "+")
         pipe.exists(key)
         entries, exists = pipe.execute()
-        return [json.loads(fields[b"e"]) for _, fields in entries], bool(exists)
+        return [jsontext.loads(fields[b"e"]) for _, fields in entries], bool(exists)
 
     @staticmethod
     def _from_postgres(view: JobView, after: EventId | None) -> list[dict[str, Any]]:

@@ -16,6 +16,7 @@ def test_a_string_utf8_cannot_hold_is_escaped_as_json_dumps_does() -> None:
     """A lone surrogate (a JSON escape can carry one in) is left to json.dumps."""
     assert compact({"a": "x\ud800"}) == '{"a":"x\\ud800"}'
     assert json.loads(compact_bytes({"a": "x\ud800"})) == {"a": "x\ud800"}
+    assert loads(compact_bytes({"a": "x\ud800"})) == {"a": "x\ud800"}  # a stream event's round trip
 
 
 def test_loads_reads_what_json_loads_reads() -> None:
