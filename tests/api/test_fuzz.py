@@ -4,20 +4,20 @@ shape on every refusal. A short run here; `bash scripts/fuzz.sh` is the long one
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 
 import pytest
 import schemathesis
 from flask import Flask
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from schemathesis.checks import positive_data_acceptance
 
 from app.api import create_app
 from app.container import build_services
+from tests.fuzzing import fuzz_settings
 from tests.helpers import Stores, make_settings
 
-EXAMPLES = int(os.environ.get("LLMQ_FUZZ_EXAMPLES", "12"))
+FUZZ = fuzz_settings(12)
 
 
 @pytest.fixture(scope="module")
@@ -46,13 +46,7 @@ def fuzz(operation, keys: list[str]) -> None:  # type: ignore[no-untyped-def]
     excluded = [positive_data_acceptance] if checked_beyond_schema else []
 
     @given(case=operation.as_strategy())
-    @settings(
-        max_examples=EXAMPLES,
-        deadline=None,
-        suppress_health_check=list(HealthCheck),
-        derandomize=os.environ.get("CI") == "true",
-        database=None,
-    )
+    @FUZZ
     def run(case) -> None:  # type: ignore[no-untyped-def]
         for key in keys:
             case.call_and_validate(headers={"Authorization": f"Bearer {key}"}, excluded_checks=excluded)
