@@ -8,7 +8,11 @@ folder (the value class is chosen when prometheus_client is imported: this modul
 it only inside a hook, once the variable is set). An operator's folder is wiped at start,
 since files left by an earlier run would be counted again; without one, a fresh temporary
 folder is made and removed on exit. A dead worker's live gauges are dropped; its counters
-and histograms stay, as totals this replica has served."""
+and histograms stay, as totals this replica has served.
+
+And the board on which the workers take turns accepting connections (app/accept_balance.py):
+made by the master before its first fork, a slot reserved for each worker it forks and freed
+when that worker exits."""
 
 from __future__ import annotations
 
@@ -21,9 +25,14 @@ from typing import Any
 ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 _made: list[str] = []
+_board: Any = None  # app.accept_balance.Board, in the master and every worker it forks
 
 
 def on_starting(server: Any) -> None:
+    global _board
+    from app.accept_balance import Board
+
+    _board = Board(max(64, 4 * int(server.cfg.workers)))
     path = os.environ.get(ENV)
     if not path:
         path = tempfile.mkdtemp(prefix="llmq-metrics-")
@@ -36,17 +45,32 @@ def on_starting(server: Any) -> None:
         stale.unlink(missing_ok=True)
 
 
+def pre_fork(server: Any, worker: Any) -> None:
+    worker.llmq_slot = _board.reserve() if _board is not None else None
+
+
 def post_worker_init(worker: Any) -> None:
-    """The worker has loaded the app: its objects live as long as the process, and
-    collections skip them from here on (app/heap.py)."""
+    """The worker takes its turns at accepting (before it starts serving), and it has loaded
+    the app: its objects live as long as the process, and collections skip them from here on
+    (app/heap.py)."""
+    from app.accept_balance import Gate, install
     from app.heap import freeze_startup_heap
 
+    slot = getattr(worker, "llmq_slot", None)
+    if _board is not None and slot is not None:
+        _board.take(slot, os.getpid())
+        gate = Gate(_board, slot)
+        worker.handle = gate.counted(worker.handle)
+        install(gate)
     freeze_startup_heap()
 
 
 def child_exit(server: Any, worker: Any) -> None:
     from prometheus_client import multiprocess
 
+    slot = getattr(worker, "llmq_slot", None)
+    if _board is not None and slot is not None:
+        _board.free(slot)
     multiprocess.mark_process_dead(worker.pid)  # type: ignore[no-untyped-call]
 
 
