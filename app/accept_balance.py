@@ -128,15 +128,18 @@ def install(gate: Gate) -> None:
     accept stops watching the socket and looks again after RETRY_SECONDS, so a connection
     left to a sibling costs no busy loop; if by then nothing waits on the socket, another
     worker took it."""
+    from select import POLLIN
+
     from gevent.monkey import get_original
     from gevent.server import StreamServer
 
     accept = StreamServer._do_read
-    select = get_original("select", "select")  # a look at the socket now, never a wait
+    poll = get_original("select", "poll")  # a look at the socket now, never a wait
 
     def resume(server: Any) -> None:
-        ready, _, _ = select([server.socket.fileno()], [], [], 0)
-        if not ready:
+        look = poll()
+        look.register(server.socket.fileno(), POLLIN)
+        if not look.poll(0):
             gate.taken()
         server._start_accepting_if_started()
 

@@ -5,10 +5,17 @@ through gunicorn itself.)"""
 from __future__ import annotations
 
 import os
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
 
+import gevent
+import gevent.socket
 import pytest
+from gevent.server import StreamServer
 
-from app.accept_balance import DEFER_SECONDS, RETRY_SECONDS, Board, Gate
+from app.accept_balance import DEFER_SECONDS, RETRY_SECONDS, Board, Gate, install
 
 
 class Clock:
@@ -122,3 +129,69 @@ def test_connections_are_counted_while_served_whatever_ends_them() -> None:
         counted("bad")
     assert seen == [1, 1]
     assert board.held(0) == 0
+
+
+@pytest.fixture
+def gated(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Board, Gate, socket.socket, list[float]]]:
+    """A gevent server asking a gate before each accept (`install`) whose worker holds one
+    connection and its sibling none: the listening socket, and when each connection was
+    accepted. The sibling is the test itself, taking connections with `accept()`."""
+    monkeypatch.setattr(StreamServer, "_do_read", StreamServer._do_read)  # restored after
+    board = board_with(0, 0)
+    gate = Gate(board, 0)
+    install(gate)
+    listener = gevent.socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    accepted: list[float] = []
+    server = StreamServer(listener, handle=lambda sock, addr: accepted.append(time.monotonic()))
+    server.start()
+    # A first connection while the two are even: gevent's first accept takes milliseconds
+    # of its own, which must not pass for a wait below.
+    warm, _ = connect(listener)
+    accepted_count(accepted, 1)
+    warm.close()
+    accepted.clear()
+    board.add(0, 1)
+    yield board, gate, listener, accepted
+    server.stop()
+
+
+def connect(listener: socket.socket) -> tuple[socket.socket, float]:
+    started = time.monotonic()
+    return gevent.socket.create_connection(listener.getsockname()), started
+
+
+def accepted_count(accepted: list[float], count: int) -> None:
+    deadline = time.monotonic() + 5
+    while len(accepted) < count:
+        assert time.monotonic() < deadline, "never accepted"
+        gevent.sleep(0.0005)
+
+
+def test_the_server_leaves_a_connection_to_its_sibling_then_takes_it(gated: Any) -> None:
+    board, _, listener, accepted = gated
+    client, started = connect(listener)
+    accepted_count(accepted, 1)
+    assert accepted[0] - started >= DEFER_SECONDS
+    board.add(1, 1)  # the sibling caught up: taken at once (no lower bound to assert)
+    other, _ = connect(listener)
+    accepted_count(accepted, 2)
+    client.close()
+    other.close()
+
+
+def test_a_connection_the_sibling_took_ends_the_wait(gated: Any) -> None:
+    _, _, listener, accepted = gated
+    client, _ = connect(listener)
+    gevent.sleep(0)  # the server looks, and leaves it
+    listener.settimeout(2)
+    taken, _ = listener.accept()  # the sibling takes it
+    gevent.sleep(3 * DEFER_SECONDS)
+    assert accepted == []
+    # The next connection gets a wait of its own, not what remained of the first one's.
+    later, started = connect(listener)
+    accepted_count(accepted, 1)
+    assert accepted[0] - started >= DEFER_SECONDS
+    for sock in (client, taken, later):
+        sock.close()
