@@ -26,13 +26,14 @@ from typing import Any
 # and how often it looks again meanwhile.
 DEFER_SECONDS = 0.005
 RETRY_SECONDS = 0.001
-_FREE, _RESERVED = 0, -1
+_FREE, _RESERVED, _LEAVING = 0, -1, -2
 
 
 class Board:
     """Per worker slot: the worker's pid (0: free, -1: reserved by the master for a worker
-    being forked) and how many connections it holds. Each worker writes only its own slot;
-    the master reserves and frees slots. An aligned 8-byte store is atomic on the machines
+    being forked, -2: its worker has stopped accepting and is finishing its connections)
+    and how many connections it holds. Each worker writes only its own slot; the master
+    reserves and frees slots. An aligned 8-byte store is atomic on the machines
     llmq runs on, so readers never see a torn value, only a slightly stale one."""
 
     def __init__(self, slots: int) -> None:
@@ -54,6 +55,11 @@ class Board:
         """The forked worker claims its reserved slot."""
         self._cells[2 * slot + 1] = 0
         self._cells[2 * slot] = pid
+
+    def leave(self, slot: int) -> None:
+        """The worker has stopped accepting (it is shutting down: a restart, a reload,
+        `max_requests`): nobody leaves connections to it any more."""
+        self._cells[2 * slot] = _LEAVING
 
     def free(self, slot: int) -> None:
         """The worker has exited (master): its connections are gone with it."""
@@ -80,7 +86,10 @@ class Board:
 
 class Gate:
     """One worker's side: count its connections, and say whether a waiting connection is
-    better left to another worker now."""
+    better left to another worker now. One wait at a time: the API listens on one address.
+    A connection another worker takes between this worker's look at the socket and its
+    next turn leaves the wait open, and the next connection is then taken at once: a
+    connection's worth of balance, never latency."""
 
     def __init__(self, board: Board, slot: int, clock: Callable[[], float] = time.monotonic) -> None:
         self._board = board
@@ -116,6 +125,10 @@ class Gate:
             return False
         return True
 
+    def leave(self) -> None:
+        """This worker stops accepting (`Board.leave`)."""
+        self._board.leave(self._slot)
+
     def taken(self) -> None:
         """Nothing waits any more (another worker took the connection): the next one that
         comes gets its own DEFER_SECONDS."""
@@ -127,7 +140,8 @@ def install(gate: Gate) -> None:
     worker accepts one connection per turn of the loop when it has siblings). A deferred
     accept stops watching the socket and looks again after RETRY_SECONDS, so a connection
     left to a sibling costs no busy loop; if by then nothing waits on the socket, another
-    worker took it."""
+    worker took it. A server that closes (the worker is shutting down and only finishes its
+    connections) takes its worker off the board first."""
     from select import POLLIN
 
     from gevent.monkey import get_original
@@ -151,4 +165,11 @@ def install(gate: Gate) -> None:
             return
         accept(self)
 
+    close = StreamServer.close
+
+    def _close(self: Any) -> None:
+        gate.leave()
+        close(self)
+
     StreamServer._do_read = _do_read
+    StreamServer.close = _close

@@ -47,6 +47,9 @@ def test_slots_are_reserved_taken_and_freed() -> None:
     assert board.fewest_elsewhere(1) == 3
     # A reserved slot (its worker not started yet) is no one to leave connections to.
     assert board.fewest_elsewhere(0) is None
+    board.leave(0)  # shutting down: no longer accepts, finishes its connections
+    assert board.fewest_elsewhere(1) is None
+    assert board.reserve() is None  # not free until its worker has exited
     board.free(0)
     assert board.fewest_elsewhere(1) is None
     assert board.reserve() == 0
@@ -132,11 +135,14 @@ def test_connections_are_counted_while_served_whatever_ends_them() -> None:
 
 
 @pytest.fixture
-def gated(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Board, Gate, socket.socket, list[float]]]:
+def gated(
+    monkeypatch: pytest.MonkeyPatch,
+) -> Iterator[tuple[Board, Gate, socket.socket, list[float], StreamServer]]:
     """A gevent server asking a gate before each accept (`install`) whose worker holds one
     connection and its sibling none: the listening socket, and when each connection was
     accepted. The sibling is the test itself, taking connections with `accept()`."""
     monkeypatch.setattr(StreamServer, "_do_read", StreamServer._do_read)  # restored after
+    monkeypatch.setattr(StreamServer, "close", StreamServer.close)
     board = board_with(0, 0)
     gate = Gate(board, 0)
     install(gate)
@@ -153,7 +159,7 @@ def gated(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Board, Gate, socket
     warm.close()
     accepted.clear()
     board.add(0, 1)
-    yield board, gate, listener, accepted
+    yield board, gate, listener, accepted, server
     server.stop()
 
 
@@ -170,7 +176,7 @@ def accepted_count(accepted: list[float], count: int) -> None:
 
 
 def test_the_server_leaves_a_connection_to_its_sibling_then_takes_it(gated: Any) -> None:
-    board, _, listener, accepted = gated
+    board, _, listener, accepted, _ = gated
     client, started = connect(listener)
     accepted_count(accepted, 1)
     assert accepted[0] - started >= DEFER_SECONDS
@@ -182,7 +188,7 @@ def test_the_server_leaves_a_connection_to_its_sibling_then_takes_it(gated: Any)
 
 
 def test_a_connection_the_sibling_took_ends_the_wait(gated: Any) -> None:
-    _, _, listener, accepted = gated
+    _, _, listener, accepted, _ = gated
     client, _ = connect(listener)
     gevent.sleep(0)  # the server looks, and leaves it
     listener.settimeout(2)
@@ -195,3 +201,13 @@ def test_a_connection_the_sibling_took_ends_the_wait(gated: Any) -> None:
     assert accepted[0] - started >= DEFER_SECONDS
     for sock in (client, taken, later):
         sock.close()
+
+
+def test_a_closing_server_takes_its_worker_off_the_board(gated: Any) -> None:
+    """gunicorn closes a worker's server when it shuts down (restart, reload, max_requests)
+    and lets it finish its connections: the others stop leaving connections to it."""
+    board, _, _, _, server = gated
+    board.add(1, 5)  # the sibling now holds more than this worker...
+    assert board.fewest_elsewhere(1) == 1
+    server.close()
+    assert board.fewest_elsewhere(1) is None  # ...and this one no longer counts
