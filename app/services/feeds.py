@@ -115,14 +115,9 @@ class JobFeed:
             return FeedRead(self._events[start:], self._exists, self._events[-1] if self._events else None)
 
     def _read(self) -> None:
-        start = f"({self._ids[-1]}" if self._ids else "-"
-        pipe = self._redis.pipeline(transaction=False)
-        pipe.xrange(self._key, start, "+")
-        pipe.exists(self._key)
-        entries, exists = pipe.execute()
+        events, exists = read_events(self._redis, self._key, self._ids[-1] if self._ids else None)
         self.reads += 1
-        for _, fields in entries:
-            event = jsontext.loads(fields[b"e"])
+        for event in events:
             eid = event_id(event)
             if self._ids and event.get("type") != END_EVENT and eid.epoch > self._ids[0].epoch:
                 # A new attempt's worker deleted the log before its first event; drop the
@@ -133,6 +128,16 @@ class JobFeed:
             self._ids.append(eid)
             self._events.append(event)
         self._exists = bool(exists)
+
+
+def read_events(redis: Redis[bytes], key: str, after: EventId | None) -> tuple[list[dict[str, Any]], bool]:
+    """The events of a job's Redis Stream `key` after `after` (all of them with None), and
+    whether the Stream exists at all: one round trip."""
+    pipe = redis.pipeline(transaction=False)
+    pipe.xrange(key, f"({after}" if after else "-", "+")
+    pipe.exists(key)
+    entries, exists = pipe.execute()
+    return [jsontext.loads(fields[b"e"]) for _, fields in entries], bool(exists)
 
 
 def event_id(event: dict[str, Any]) -> EventId:

@@ -21,7 +21,6 @@ from redis import Redis
 from redis.exceptions import RedisError
 from sqlalchemy.exc import SQLAlchemyError
 
-from app import jsontext
 from app.completions import usage_chunk
 from app.db import Database
 from app.domain.status import JobKind, JobStatus
@@ -36,7 +35,7 @@ from app.events import (
 from app.models import Job
 from app.schemas.completion import RecordedStream
 from app.schemas.jobs import JobObject
-from app.services.feeds import FeedRead, JobFeed
+from app.services.feeds import FeedRead, JobFeed, read_events
 from app.services.keys import KeyService, Principal
 from app.services.notifier import Notifier
 from app.services.ownership import load_owned
@@ -157,13 +156,7 @@ class StreamService:
 
     def _from_redis(self, job_id: str, after: EventId | None) -> tuple[list[dict[str, Any]], bool]:
         """Events after `after`, and whether the stream exists at all."""
-        key = job_stream(job_id)
-        start = f"({after}" if after else "-"
-        pipe = self._redis.pipeline(transaction=False)
-        pipe.xrange(key, start, "+")
-        pipe.exists(key)
-        entries, exists = pipe.execute()
-        return [jsontext.loads(fields[b"e"]) for _, fields in entries], bool(exists)
+        return read_events(self._redis, job_stream(job_id), after)
 
     @staticmethod
     def _from_postgres(view: JobView, after: EventId | None) -> list[dict[str, Any]]:
