@@ -329,7 +329,7 @@ class Database:
 
     def returning(self, statement: TextClause, params: Mapping[str, Any]) -> list[tuple[Any, ...]]:
         """Run one statement that is a whole transaction by itself (a worker's claim, its
-        result write) and return its rows, as tuples.
+        result write, a poll's read) and return its rows, as tuples.
 
         As `one_statement` runs it (autocommit: no BEGIN, no COMMIT), but on the pooled
         connection's psycopg cursor, not through a Session and its Result: on this machine

@@ -36,6 +36,12 @@ def load_owned(
     such row. `options`: loader options (columns the caller does not need, deferred)."""
     row = s.scalar(select(model).options(*options).where(model.id == row_id, model.tenant_id == tenant_id))
     if row is None:
-        message, default_param = _MISSING[model]
-        raise NotFound(message.format(row_id), param=param or default_param)
+        raise not_owned(model, row_id, param=param)
     return row
+
+
+def not_owned(model: type[Owned], row_id: str, *, param: str | None = None) -> NotFound:
+    """The 404 for a row of `model` that `row_id` names and the tenant does not have (it
+    does not exist, or another tenant's), in OpenAI's wording for the kind."""
+    message, default_param = _MISSING[model]
+    return NotFound(message.format(row_id), param=param or default_param)
