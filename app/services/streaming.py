@@ -19,6 +19,7 @@ from typing import Any
 
 from redis import Redis
 from redis.exceptions import RedisError
+from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 
 from app.completions import usage_chunk
@@ -38,11 +39,16 @@ from app.schemas.jobs import JobObject
 from app.services.feeds import FeedRead, JobFeed, read_events
 from app.services.keys import KeyService, Principal
 from app.services.notifier import Notifier
-from app.services.ownership import load_owned
+from app.services.ownership import load_owned, not_owned
 from app.services.sse import DONE, HEARTBEAT, frame, restarted, revoked
 from app.text_completions import text_usage_chunk
 
 log = logging.getLogger("llmq.stream")
+
+# A tenant's job's status alone: what a synchronous completion's wait asks, once as it
+# starts and again when told the job ended. The whole row (`_view`) would carry the job's
+# request and its recorded stream, every chunk of the answer parsed, to be thrown away.
+_JOB_STATUS = text("SELECT status FROM jobs WHERE id = :id AND tenant_id = :tenant_id")
 
 
 @dataclass
@@ -120,6 +126,13 @@ class StreamService:
         self._notifier.close()
 
     # --- reads -------------------------------------------------------------------------
+
+    def _status(self, principal: Principal, job_id: str) -> str:
+        """Raises NotFound: the tenant has no such job."""
+        rows = self._db.returning(_JOB_STATUS, {"id": job_id, "tenant_id": principal.tenant_id})
+        if not rows:
+            raise not_owned(Job, job_id)
+        return str(rows[0][0])
 
     def _view(self, principal: Principal, job_id: str) -> JobView:
         with self._db.reading() as s:
@@ -311,7 +324,7 @@ class StreamService:
             while True:
                 now = time.monotonic()
                 if waiter.ended or now >= ask_at:
-                    if self._view(principal, job_id).terminal:
+                    if JobStatus(self._status(principal, job_id)).terminal:
                         return True
                     ask_at = now + self._heartbeat
                 if not self._key_watch.valid(principal.key_id):

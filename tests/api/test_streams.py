@@ -339,6 +339,61 @@ def test_revoked_key_ends_a_sync_wait(quick_app: Flask, quick: Services) -> None
     assert answer["status"] == 401 and answer["body"]["error"]["type"] == "authentication_error"
 
 
+def test_a_sync_wait_answers_with_the_stored_response_once_the_job_ends(
+    quick_app: Flask, quick: Services
+) -> None:
+    """`POST /v1/chat/completions` without `stream` waits while its job is queued (it reads
+    the job's status, not the row) and answers with the stored response as soon as the end
+    is notified."""
+    client = quick_app.test_client()
+    key = new_key(quick)
+    key_id = quick.keys.authenticate(key).key_id
+    answer: dict[str, Any] = {}
+
+    def call() -> None:
+        r = client.post("/v1/chat/completions", json=job_body(), headers=auth(key))
+        answer["status"], answer["body"] = r.status_code, r.get_json()
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    found: list[str] = []
+
+    def submitted() -> bool:
+        with quick.db.session() as s:
+            query = "SELECT j.id FROM jobs j JOIN api_keys k ON k.tenant_id = j.tenant_id WHERE k.id = :k"
+            found.extend(s.scalars(text(query), {"k": key_id}))
+        return bool(found)
+
+    assert wait_until(submitted, 5)
+    job_id = found[0]
+    thread.join(0.5)
+    assert thread.is_alive(), answer  # queued: still waiting
+    response = {
+        "id": "chatcmpl-x",
+        "object": "chat.completion",
+        "created": 0,
+        "model": "api-only",
+        "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "Hello"}, "finish_reason": "stop"}
+        ],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3},
+    }
+    events = [chunk("1-1", "Hel"), chunk("1-2", "lo"), end("1-3")]
+    with quick.db.session() as s:
+        s.execute(
+            text(
+                "UPDATE jobs SET status = 'succeeded', epoch = 1, response = CAST(:r AS json), "
+                "events = CAST(:ev AS json), succeeded_at = now() WHERE id = :id"
+            ),
+            {"r": json.dumps(response), "ev": json.dumps(events), "id": job_id},
+        )
+    for event in events:
+        append(quick.redis, job_id, event)
+    thread.join(10)
+    assert not thread.is_alive()
+    assert answer == {"status": 200, "body": response}
+
+
 # --- X10: a cap on open streams and downloads per key ------------------------------------
 
 
