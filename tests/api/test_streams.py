@@ -131,21 +131,33 @@ def queued_job(client: FlaskClient, key: str) -> str:
 # --- S2 / X12: a resume at or past the end ends the stream -------------------------------
 
 
+def succeed(services: Services, job_id: str, response: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Write the job's row as a worker ends it, its recorded stream chunk 1-1, chunk 1-2,
+    end 1-3 (returned) and `response`."""
+    events = [chunk("1-1", "Hel"), chunk("1-2", "lo"), end("1-3")]
+    with services.db.session() as s:
+        s.execute(
+            text(
+                "UPDATE jobs SET status = 'succeeded', epoch = 1, events = CAST(:ev AS json), "
+                "response = CAST(:r AS json), succeeded_at = :now WHERE id = :id"
+            ),
+            {
+                "ev": json.dumps(events),
+                "r": None if response is None else json.dumps(response),
+                "now": datetime.now(UTC),
+                "id": job_id,
+            },
+        )
+    return events
+
+
 @pytest.fixture(params=["redis", "postgres"])
 def finished_job(request: pytest.FixtureRequest, client: FlaskClient, services: Services) -> tuple[str, str]:
     """A succeeded job whose log is chunk 1-1, chunk 1-2, end 1-3: in Redis (a recent job)
     or only in Postgres (its Redis Stream expired)."""
     key = new_key(services)
     job_id = queued_job(client, key)
-    events = [chunk("1-1", "Hel"), chunk("1-2", "lo"), end("1-3")]
-    with services.db.session() as s:
-        s.execute(
-            text(
-                "UPDATE jobs SET status = 'succeeded', epoch = 1, events = CAST(:ev AS json), "
-                "succeeded_at = :now WHERE id = :id"
-            ),
-            {"ev": json.dumps(events), "now": datetime.now(UTC), "id": job_id},
-        )
+    events = succeed(services, job_id)
     services.redis.delete(job_stream(job_id))
     if request.param == "redis":
         for event in events:
@@ -313,30 +325,41 @@ def test_revoked_key_ends_a_flowing_stream(quick_app: Flask, quick: Services) ->
     assert "invalid_api_key" in reader.text and reader.text.endswith(DONE)
 
 
+class SyncCall:
+    """`POST /v1/chat/completions` (no `stream`) under a new key, in a thread: once started,
+    `job_id` is its job's id and `answer` fills in when it returns."""
+
+    def __init__(self, quick_app: Flask, quick: Services) -> None:
+        client = quick_app.test_client()
+        key = new_key(quick)
+        self.key_id = quick.keys.authenticate(key).key_id
+        self.answer: dict[str, Any] = {}
+
+        def call() -> None:
+            r = client.post("/v1/chat/completions", json=job_body(), headers=auth(key))
+            self.answer["status"], self.answer["body"] = r.status_code, r.get_json()
+
+        self.thread = threading.Thread(target=call, daemon=True)
+        self.thread.start()
+        found: list[str] = []
+
+        def submitted() -> bool:
+            with quick.db.session() as s:
+                query = "SELECT j.id FROM jobs j JOIN api_keys k ON k.tenant_id = j.tenant_id WHERE k.id = :k"
+                found.extend(s.scalars(text(query), {"k": self.key_id}))
+            return bool(found)
+
+        assert wait_until(submitted, 5)
+        self.job_id = found[0]
+
+
 def test_revoked_key_ends_a_sync_wait(quick_app: Flask, quick: Services) -> None:
-    client = quick_app.test_client()
-    key = new_key(quick)
-    key_id = quick.keys.authenticate(key).key_id
-    answer: dict[str, Any] = {}
-
-    def call() -> None:
-        r = client.post("/v1/chat/completions", json=job_body(), headers=auth(key))
-        answer["status"], answer["body"] = r.status_code, r.get_json()
-
     started = time.monotonic()
-    thread = threading.Thread(target=call, daemon=True)
-    thread.start()
-
-    def submitted() -> bool:
-        with quick.db.session() as s:
-            query = "SELECT count(*) FROM jobs j JOIN api_keys k ON k.tenant_id = j.tenant_id WHERE k.id = :k"
-            return bool(s.execute(text(query), {"k": key_id}).scalar())
-
-    assert wait_until(submitted, 5)
-    quick.keys.revoke(key_id)
-    thread.join(20)
-    assert not thread.is_alive() and time.monotonic() - started < 20
-    assert answer["status"] == 401 and answer["body"]["error"]["type"] == "authentication_error"
+    sync = SyncCall(quick_app, quick)
+    quick.keys.revoke(sync.key_id)
+    sync.thread.join(20)
+    assert not sync.thread.is_alive() and time.monotonic() - started < 20
+    assert sync.answer["status"] == 401 and sync.answer["body"]["error"]["type"] == "authentication_error"
 
 
 def test_a_sync_wait_answers_with_the_stored_response_once_the_job_ends(
@@ -345,29 +368,9 @@ def test_a_sync_wait_answers_with_the_stored_response_once_the_job_ends(
     """`POST /v1/chat/completions` without `stream` waits while its job is queued (it reads
     the job's status, not the row) and answers with the stored response as soon as the end
     is notified."""
-    client = quick_app.test_client()
-    key = new_key(quick)
-    key_id = quick.keys.authenticate(key).key_id
-    answer: dict[str, Any] = {}
-
-    def call() -> None:
-        r = client.post("/v1/chat/completions", json=job_body(), headers=auth(key))
-        answer["status"], answer["body"] = r.status_code, r.get_json()
-
-    thread = threading.Thread(target=call, daemon=True)
-    thread.start()
-    found: list[str] = []
-
-    def submitted() -> bool:
-        with quick.db.session() as s:
-            query = "SELECT j.id FROM jobs j JOIN api_keys k ON k.tenant_id = j.tenant_id WHERE k.id = :k"
-            found.extend(s.scalars(text(query), {"k": key_id}))
-        return bool(found)
-
-    assert wait_until(submitted, 5)
-    job_id = found[0]
-    thread.join(0.5)
-    assert thread.is_alive(), answer  # queued: still waiting
+    sync = SyncCall(quick_app, quick)
+    sync.thread.join(0.5)
+    assert sync.thread.is_alive(), sync.answer  # queued: still waiting
     response = {
         "id": "chatcmpl-x",
         "object": "chat.completion",
@@ -378,20 +381,11 @@ def test_a_sync_wait_answers_with_the_stored_response_once_the_job_ends(
         ],
         "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3},
     }
-    events = [chunk("1-1", "Hel"), chunk("1-2", "lo"), end("1-3")]
-    with quick.db.session() as s:
-        s.execute(
-            text(
-                "UPDATE jobs SET status = 'succeeded', epoch = 1, response = CAST(:r AS json), "
-                "events = CAST(:ev AS json), succeeded_at = now() WHERE id = :id"
-            ),
-            {"r": json.dumps(response), "ev": json.dumps(events), "id": job_id},
-        )
-    for event in events:
-        append(quick.redis, job_id, event)
-    thread.join(10)
-    assert not thread.is_alive()
-    assert answer == {"status": 200, "body": response}
+    for event in succeed(quick, sync.job_id, response):
+        append(quick.redis, sync.job_id, event)
+    sync.thread.join(10)
+    assert not sync.thread.is_alive()
+    assert sync.answer == {"status": 200, "body": response}
 
 
 # --- X10: a cap on open streams and downloads per key ------------------------------------
