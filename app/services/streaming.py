@@ -19,7 +19,6 @@ from typing import Any
 
 from redis import Redis
 from redis.exceptions import RedisError
-from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 
 from app.completions import usage_chunk
@@ -36,7 +35,8 @@ from app.events import (
 from app.models import Job
 from app.schemas.completion import RecordedStream
 from app.schemas.jobs import JobObject
-from app.services.feeds import FeedRead, JobFeed, read_events
+from app.services.feeds import FeedRead, JobFeed, event_id, read_events
+from app.services.jobs import job_status
 from app.services.keys import KeyService, Principal
 from app.services.notifier import Notifier
 from app.services.ownership import load_owned, not_owned
@@ -44,11 +44,6 @@ from app.services.sse import DONE, HEARTBEAT, frame, restarted, revoked
 from app.text_completions import text_usage_chunk
 
 log = logging.getLogger("llmq.stream")
-
-# A tenant's job's status alone: what a synchronous completion's wait asks, once as it
-# starts and again when told the job ended. The whole row (`_view`) would carry the job's
-# request and its recorded stream, every chunk of the answer parsed, to be thrown away.
-_JOB_STATUS = text("SELECT status FROM jobs WHERE id = :id AND tenant_id = :tenant_id")
 
 
 @dataclass
@@ -129,10 +124,10 @@ class StreamService:
 
     def _status(self, principal: Principal, job_id: str) -> str:
         """Raises NotFound: the tenant has no such job."""
-        rows = self._db.returning(_JOB_STATUS, {"id": job_id, "tenant_id": principal.tenant_id})
-        if not rows:
+        status = job_status(self._db, job_id, principal.tenant_id)
+        if status is None:
             raise not_owned(Job, job_id)
-        return str(rows[0][0])
+        return status
 
     def _view(self, principal: Principal, job_id: str) -> JobView:
         with self._db.reading() as s:
@@ -177,7 +172,7 @@ class StreamService:
         if not events or events[-1].get("type") != END_EVENT:
             error = _error_for(view)
             events.append(end_event(view.epoch, view.status, error, view.usage))
-        return [e for e in events if after is None or _eid(e) > after]
+        return [e for e in events if after is None or event_id(e) > after]
 
     # --- SSE -----------------------------------------------------------------------------
 
@@ -263,7 +258,7 @@ class StreamService:
                                 return
                 fresh = None
                 for event in events:
-                    eid = _eid(event)
+                    eid = event_id(event)
                     if epoch is not None and eid.epoch > epoch and event.get("type") != END_EVENT:
                         yield from restarted(eid)
                         return
@@ -333,12 +328,6 @@ class StreamService:
                 if left <= 0:
                     return False
                 waiter.wait(min(left, ask_at - now, self._key_check))
-
-
-def _eid(event: dict[str, Any]) -> EventId:
-    parsed = parse_event_id(str(event["id"]))
-    assert parsed is not None
-    return parsed
 
 
 def _error_for_status(status: str) -> dict[str, Any] | None:
