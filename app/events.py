@@ -1,9 +1,15 @@
 """Redis keys, channels and event ids for job events, shared by the API and the worker.
 
 - `llmq:cancel`          pub/sub: job ids whose cancel was requested (workers listen)
+- `llmq:watch`           pub/sub: job ids a client has just begun to stream (workers
+                         listen): a job nobody was hearing goes back to the live cadence
 - `llmq:job:<id>`        pub/sub: "the job's event log grew": the event's id (` end` after
                          it for the last one), and from the worker the event itself before
-                         that (`<event JSON>\n<id>`), so a subscriber need not read it back
+                         that (`<event JSON>\n<id>`), so a subscriber need not read it back.
+                         Its subscribers are the job's hearers (worker/streaming.py)
+- `llmq:end:<id>`        pub/sub: the job's end alone (`<id> end`), for those who wait for
+                         the end and read nothing before it (a synchronous answer, a cancel):
+                         they are not hearers, so the job's chunks stay coalesced
 - `llmq:events:<id>`     Redis Stream: the job's replayable event log (chunks, then `end`)
 
 Event ids are `<epoch>-<seq>`: valid Redis Stream ids that grow across attempts, and the
@@ -27,6 +33,7 @@ from app.errors import InvalidRequest
 from app.jsontext import compact_bytes
 
 CANCEL_CHANNEL = "llmq:cancel"
+WATCH_CHANNEL = "llmq:watch"
 END_EVENT = "end"
 EXTERNAL_END_SEQ = 2**62
 STREAM_EXPIRE_SECONDS = 3600
@@ -36,6 +43,10 @@ _EVENT_ID = re.compile(r"^([0-9]{1,18})-([0-9]{1,19})$")
 
 def job_channel(job_id: str) -> str:
     return f"llmq:job:{job_id}"
+
+
+def end_channel(job_id: str) -> str:
+    return f"llmq:end:{job_id}"
 
 
 def job_stream(job_id: str) -> str:
@@ -130,18 +141,26 @@ class JobEvents:
             for job_id, event in ends[start : start + page]:
                 pipe.xadd(job_stream(job_id), {"e": compact_bytes(event)}, id=event["id"])
                 pipe.expire(job_stream(job_id), STREAM_EXPIRE_SECONDS)
-                pipe.publish(job_channel(job_id), notification(event["id"], final=True))
+                header = notification(event["id"], final=True)
+                pipe.publish(job_channel(job_id), header)
+                pipe.publish(end_channel(job_id), header)
             pipe.execute(raise_on_error=False)
+
+    def announce_stream(self, job_id: str) -> None:
+        """Tell the workers that a client is streaming the job from now on (`llmq:watch`):
+        the one running it, if it was coalescing the job's chunks because nobody heard
+        them, takes every step again from its next engine update, not its next flush."""
+        self._redis.publish(WATCH_CHANNEL, job_id)
 
     def wait_for_end(self, job_id: str, is_done: Callable[[], bool], timeout: float) -> bool:
         """Block until the job ends or `timeout` seconds pass; True if it ended.
 
-        Subscribes first, then asks `is_done` (Postgres), so an end published between
-        the two is never missed.
+        Subscribes first (to the end alone: a waiter is not a hearer of the job's chunks),
+        then asks `is_done` (Postgres), so an end published between the two is never missed.
         """
         pubsub = connections.pubsub(self._redis, ignore_subscribe_messages=True)
         try:
-            pubsub.subscribe(job_channel(job_id))
+            pubsub.subscribe(end_channel(job_id))
             if is_done():
                 return True
             deadline = time.monotonic() + timeout

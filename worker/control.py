@@ -1,5 +1,5 @@
-"""Background threads of a worker: cancel listener, lease keeper, registry heartbeat,
-presence."""
+"""Background threads of a worker: signal listener (cancels, streams begun), lease keeper,
+registry heartbeat, presence."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 from redis import Redis
 
 from app import connections
-from app.events import CANCEL_CHANNEL
+from app.events import CANCEL_CHANNEL, WATCH_CHANNEL
 from app.periodic import Periodic
 from app.services.health import mark_absent, mark_present, register_worker, unregister_worker
 from app.threads import name_native_thread
@@ -70,35 +70,43 @@ class LeaseKeeper(_Periodic):
                 self._runner.cancel(item.job_id)
 
 
-class CancelListener:
-    """Aborts running jobs in the engine as soon as a cancel is published. Pub/sub can drop
-    messages; the lease keeper's `cancel_requested_at` check is the backstop."""
+class SignalListener:
+    """Job signals published to every worker (app/events.py): a cancel aborts the job in
+    the engine at once; a client who begins to stream a job takes it out of the stream
+    publisher's quiet set (`watched`). Pub/sub can drop messages: for cancels the lease
+    keeper's `cancel_requested_at` check is the backstop, for a stream the next flush it
+    hears."""
 
-    def __init__(self, redis: Redis[bytes], runner: JobRunner) -> None:
+    def __init__(self, redis: Redis[bytes], runner: JobRunner, watched: Callable[[str], None]) -> None:
         self._redis = redis
+        self._handlers: dict[bytes, Callable[[str], None]] = {
+            CANCEL_CHANNEL.encode(): self._cancel,
+            WATCH_CHANNEL.encode(): watched,
+        }
         self._runner = runner
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="llmq-cancel", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name="llmq-signals", daemon=True)
+
+    def _cancel(self, job_id: str) -> None:
+        if self._runner.cancel(job_id):
+            log.info("cancel: aborted in engine", extra={"job_id": job_id})
 
     def _loop(self) -> None:
         name_native_thread()
         while not self._stop.is_set():
             pubsub = connections.pubsub(self._redis, ignore_subscribe_messages=True)
             try:
-                pubsub.subscribe(CANCEL_CHANNEL)
+                pubsub.subscribe(*self._handlers)
                 while not self._stop.is_set():
                     message = pubsub.get_message(timeout=1.0)
                     if message is None:
                         continue
-                    job_id = (
-                        message["data"].decode()
-                        if isinstance(message["data"], bytes)
-                        else str(message["data"])
-                    )
-                    if self._runner.cancel(job_id):
-                        log.info("cancel: aborted in engine", extra={"job_id": job_id})
+                    channel, data = message["channel"], message["data"]
+                    handler = self._handlers.get(channel if isinstance(channel, bytes) else channel.encode())
+                    if handler is not None:
+                        handler(data.decode() if isinstance(data, bytes) else str(data))
             except Exception as exc:  # noqa: BLE001 - Redis away: reconnect
-                log.warning("cancel listener reconnecting", extra={"error": type(exc).__name__})
+                log.warning("signal listener reconnecting", extra={"error": type(exc).__name__})
                 self._stop.wait(1.0)
             finally:
                 pubsub.close()

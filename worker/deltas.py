@@ -19,9 +19,8 @@ from worker.response import aborted_as, logprob_entry
 class EventSink(Protocol):
     """Where a job's events go, and how often its deltas are flushed."""
 
-    def cadence(self, job_id: str, age: float) -> tuple[int, float]:
-        """(tokens, seconds): flush once either has gathered, `age` seconds after the job's
-        first event."""
+    def cadence(self, job_id: str) -> tuple[int, float]:
+        """(tokens, seconds): flush once either has gathered."""
         ...
 
     def merge_seconds(self, job_id: str) -> float:
@@ -114,9 +113,8 @@ class JobStream:
         if self.first_event_at is None or finished:
             self.flush()  # the first token goes out at once (time to first chunk), and the last
             return
-        now = time.monotonic()
-        tokens, seconds = self._publisher.cadence(self.job_id, now - self.first_event_at)
-        if self._buffered_tokens >= tokens or now - self._last_flush >= seconds:
+        tokens, seconds = self._publisher.cadence(self.job_id)
+        if self._buffered_tokens >= tokens or time.monotonic() - self._last_flush >= seconds:
             self.flush()
 
     def merge_seconds(self) -> float:

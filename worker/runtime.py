@@ -32,7 +32,7 @@ from app.services.webhook_delivery import DeliveryConfig, WebhookDeliverer
 from app.settings import Settings
 from app.threads import name_native_thread
 from worker.batches import BatchScheduler
-from worker.control import CancelListener, LeaseKeeper, Presence, RegistryHeartbeat
+from worker.control import LeaseKeeper, Presence, RegistryHeartbeat, SignalListener
 from worker.engine import Engine, InstantEngine
 from worker.expiry import ExpiryTask
 from worker.leader import LeaseLock
@@ -204,7 +204,7 @@ class WorkerRuntime:
             interval_seconds=settings.expiry_interval_seconds,
         )
         self.leases = LeaseKeeper(self.store, self.runner, self.name, settings.lease_seconds)
-        self.cancels = CancelListener(self.redis, self.runner)
+        self.signals = SignalListener(self.redis, self.runner, self.streams.watched)
         self.heartbeat = RegistryHeartbeat(
             self.redis, self.name, self.info, consuming, settings.worker_heartbeat_seconds
         )
@@ -309,7 +309,7 @@ class WorkerRuntime:
             self.batches,
             self.expiry,
             self.leases,
-            self.cancels,
+            self.signals,
             self.heartbeat,
             self.webhooks,
             self.exports,
@@ -348,7 +348,7 @@ class WorkerRuntime:
             self.webhooks,
             self.presence,
             self.heartbeat,
-            self.cancels,
+            self.signals,
             self.leases,
             self.batches,
             self.expiry,

@@ -7,22 +7,26 @@ announced on the pub/sub channel `llmq:job:<job_id>` with the event itself, so t
 subscribers need not read it back. Deltas reach it coalesced (one event
 per `flush_tokens` tokens or `flush_seconds`), so Redis work grows with streams, not tokens.
 
-Most jobs have nobody watching (a batch line, a job that is polled): PUBLISH answers how
-many subscribers heard each announcement, and once a job has run `listen_grace_seconds`
-with nobody hearing its latest one, its deltas are coalesced per `quiet_flush_tokens` or
-`quiet_flush_seconds` instead, until somebody does. A subscriber who comes later reads the
-log so far at once and hears live events from the next flush on (at most
-`quiet_flush_seconds` later); one subscribed from the start (`stream: true`, or a stream
-opened right after submitting) never sees the quiet cadence.
+Most jobs have nobody watching (a batch line, a job that is polled or answered
+synchronously, whose waiter listens for the end alone on `llmq:end:<id>`): PUBLISH answers
+how many subscribers heard each announcement, and once nobody heard a job's latest one, its
+deltas are coalesced per `quiet_flush_tokens` or `quiet_flush_seconds` instead, until
+somebody does. A client who begins to stream the job later reads the log so far at once
+and is announced on `llmq:watch` (app/events.py) as its subscription is confirmed:
+`watched` takes the job out of the quiet set, in order with the appends already shipped,
+so the live cadence resumes from the engine's next update, not from the next quiet flush.
+One subscribed before the job starts (`stream: true`) hears its first event.
 
-While nobody hears a job's latest announcement (from its first flush on, grace or not), its
-runner takes the engine's updates at most every `quiet_merge_seconds` (`merge_seconds`):
-vLLM merges the steps in between into one update, so a job nobody watches costs the worker
-one wake-up per merge instead of one per token (B1's 64 jobs of 256 tokens: the worker's
-CPU per job 19.8 -> 16.1 ms, rounds alternating in one stack). A subscriber who comes is
-heard at the job's next flush, and from then on every step is taken. A job that ends at a
-stop token may be stored up to that long after the engine ended it (its engine slot is
-free at once; one that runs to `max_tokens` is taken as it ends).
+While nobody hears a job's latest announcement and nobody waits for its end (the append
+answers how many wait on `llmq:end:<id>`), its runner takes the engine's updates at most
+every `quiet_merge_seconds` (`merge_seconds`): vLLM merges the steps in between into one
+update, so a job nobody watches costs the worker one wake-up per merge instead of one per
+token (B1's 64 jobs of 256 tokens: the worker's CPU per job 19.8 -> 16.1 ms, rounds
+alternating in one stack). A subscriber who comes is heard at the job's next flush, or
+announced before it, and from then on every step is taken. Such a job that ends at a stop
+token may be stored up to that long after the engine ended it (its engine slot is free at
+once; one that runs to `max_tokens` is taken as it ends); a job somebody waits for (a
+synchronous answer) takes every step, so its end is answered as it comes.
 
 Such a job's later events are also gathered: the shipping thread holds one for up to
 `quiet_gather_seconds`, so that what every quiet job flushes meanwhile goes in the same
@@ -49,25 +53,33 @@ from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from app.completions import ChunkHeader
-from app.events import job_channel, job_stream, notification
+from app.events import end_channel, job_channel, job_stream, notification
 from app.jsontext import compact_bytes
 from app.threads import name_native_thread
 from worker.deltas import JobStream
 
 log = logging.getLogger("llmq.stream")
 
+# A queued item saying a client began to stream the job (`StreamPublisher.watched`).
+_WATCHED: dict[str, Any] = {"watched": True}
+
 
 # Append one event unless the stream should exist and does not (Redis restarted and lost
 # it): then answer 0 and append nothing, so no reader ever sees a log with a hole in it.
 # Otherwise announce it, carrying the event (`<payload>\n<notification>`, app/events.py),
-# and answer 1 + the number of subscribers that heard the announcement.
-# KEYS: stream, channel. ARGV: id, payload, maxlen, must_exist, notification, expire.
+# and answer {1 + the number of subscribers that heard the announcement, the number waiting
+# for the job's end on KEYS[3] (`llmq:end:<id>`)}. The last event (the one given an expiry)
+# is announced there too, by its header alone: those who wait for the end only are not
+# counted among the job's hearers.
+# KEYS: stream, channel, end channel. ARGV: id, payload, maxlen, must_exist, notification,
+# expire (0: not the last event).
 _APPEND = """
 if ARGV[4] == '1' and redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[3], ARGV[1], 'e', ARGV[2])
 local heard = redis.call('PUBLISH', KEYS[2], ARGV[2] .. '\\n' .. ARGV[5])
-if ARGV[6] ~= '0' then redis.call('EXPIRE', KEYS[1], ARGV[6]) end
-return 1 + heard
+if ARGV[6] == '0' then return {1 + heard, redis.call('PUBSUB', 'NUMSUB', KEYS[3])[2]} end
+redis.call('EXPIRE', KEYS[1], ARGV[6])
+return {1 + heard, redis.call('PUBLISH', KEYS[3], ARGV[5])}
 """
 
 
@@ -89,10 +101,11 @@ class StreamPublisher:
         quiet_flush_seconds: float = 0.5,
         quiet_merge_seconds: float = 0.1,
         quiet_gather_seconds: float = 0.05,
-        listen_grace_seconds: float = 1.0,
         max_len: int = 100_000,
         expire_seconds: int = 3600,
     ) -> None:
+        if expire_seconds < 1:
+            raise ValueError("expire_seconds must be at least 1: the append tells a job's last event by it")
         self._redis = redis
         self.flush_tokens = flush_tokens
         self.flush_seconds = flush_seconds
@@ -100,10 +113,11 @@ class StreamPublisher:
         self.quiet_flush_seconds = quiet_flush_seconds
         self.quiet_merge_seconds = quiet_merge_seconds
         self.quiet_gather_seconds = quiet_gather_seconds
-        self.listen_grace_seconds = listen_grace_seconds
-        # Jobs whose latest announcement nobody heard (written by the shipping thread, read
-        # on the engine's: a stale answer only delays one flush).
+        # Jobs whose latest announcement nobody heard, and jobs somebody waits to see end
+        # (written by the shipping thread, read on the engine's: a stale answer only delays
+        # one flush).
         self._unheard: set[str] = set()
+        self._awaited: set[str] = set()
         self._max_len = str(max_len).encode()
         self._expire = str(expire_seconds).encode()
         self._queue: queue.SimpleQueue[tuple[str, dict[str, Any], bool] | None] = queue.SimpleQueue()
@@ -124,17 +138,28 @@ class StreamPublisher:
             self._urgent.set()
         return JobStream(self, job_id, epoch, header, n=n)
 
-    def cadence(self, job_id: str, age: float) -> tuple[int, float]:
-        """(tokens, seconds) to coalesce a job's deltas over, `age` seconds after its first
-        event: quieter once past the grace with nobody hearing its latest announcement."""
-        if age >= self.listen_grace_seconds and job_id in self._unheard:
+    def cadence(self, job_id: str) -> tuple[int, float]:
+        """(tokens, seconds) to coalesce a job's deltas over: quieter while nobody heard
+        its latest announcement."""
+        if job_id in self._unheard:
             return self.quiet_flush_tokens, self.quiet_flush_seconds
         return self.flush_tokens, self.flush_seconds
 
     def merge_seconds(self, job_id: str) -> float:
-        """`quiet_merge_seconds` while nobody heard the job's latest announcement (from its
-        first flush on, grace or not), else 0: a watched job takes every step as it comes."""
-        return self.quiet_merge_seconds if job_id in self._unheard else 0.0
+        """`quiet_merge_seconds` while nobody heard the job's latest announcement nor waits
+        for its end, else 0: a watched job takes every step as it comes, and an awaited one
+        too, so that an end at a stop token is seen (and answered) as it comes, not up to
+        a merge later."""
+        if job_id in self._unheard and job_id not in self._awaited:
+            return self.quiet_merge_seconds
+        return 0.0
+
+    def watched(self, job_id: str) -> None:
+        """A client began to stream the job (`llmq:watch`): live cadence again. Queued, so
+        it is applied after every append shipped before it, whose answer (nobody heard:
+        sent before the client subscribed) would otherwise put the job back."""
+        self._queue.put((job_id, _WATCHED, False))
+        self._urgent.set()
 
     def submit(self, job_id: str, event: dict[str, Any], *, final: bool = False) -> None:
         with self._lock:
@@ -155,6 +180,7 @@ class StreamPublisher:
         with self._lock:
             self._history.pop(job_id, None)
             self._unheard.discard(job_id)
+            self._awaited.discard(job_id)
 
     def start(self) -> None:
         self._thread.start()
@@ -207,6 +233,16 @@ class StreamPublisher:
                 delay = min(delay * 2, 5.0)
 
     def _ship(self, batch: list[tuple[str, dict[str, Any], bool]]) -> None:
+        watched = [job_id for job_id, event, _ in batch if event is _WATCHED]
+        if watched:
+            batch = [item for item in batch if item[1] is not _WATCHED]
+        if batch:
+            self._append(batch)
+        # After the appends before them, whose answers predate the client's subscription;
+        # those shipped with or after them are heard.
+        self._unheard.difference_update(watched)
+
+    def _append(self, batch: list[tuple[str, dict[str, Any], bool]]) -> None:
         appended = [(job_id, final) for job_id, event, final in batch if not event.get("reset")]
         results = self._send(batch)
         if any(isinstance(r, NoScriptError) for r in results):
@@ -226,12 +262,12 @@ class StreamPublisher:
                 raise result
             elif result == 0:
                 lost.add(job_id)
-            elif result > 1:
-                self._unheard.discard(job_id)
             else:
+                heard, awaited = result
                 with self._lock:  # only while it runs here: not ended, handed back or discarded
-                    if job_id in self._history and not final:
-                        self._unheard.add(job_id)
+                    running = job_id in self._history and not final
+                    (self._unheard.discard if heard > 1 or not running else self._unheard.add)(job_id)
+                    (self._awaited.add if awaited and running else self._awaited.discard)(job_id)
         if lost:
             self._restore(lost)
         self.published += len(batch)
@@ -240,6 +276,7 @@ class StreamPublisher:
                 with self._lock:
                     self._history.pop(job_id, None)
                     self._unheard.discard(job_id)
+                    self._awaited.discard(job_id)
 
     def _send(self, batch: list[tuple[str, dict[str, Any], bool]]) -> list[Any]:
         """The batch's commands in one round trip; their results, errors included. The
@@ -259,9 +296,10 @@ class StreamPublisher:
                 _command(
                     b"EVALSHA",
                     self._append_sha,
-                    b"2",
+                    b"3",
                     key,
                     job_channel(job_id).encode(),
+                    end_channel(job_id).encode(),
                     event_id.encode(),
                     compact_bytes(event),
                     self._max_len,

@@ -16,7 +16,7 @@ from redis import Redis
 from redis.exceptions import RedisError
 
 from app import connections
-from app.events import carried_event, is_end_notification, job_channel
+from app.events import carried_event, end_channel, is_end_notification, job_channel
 from app.services.feeds import JobFeed
 
 log = logging.getLogger("llmq.stream")
@@ -92,11 +92,12 @@ class Notifier:
                 self._thread.start()
 
     @contextmanager
-    def watch(self, job_id: str, timeout: float = 5.0) -> Iterator[Waiter]:
+    def watch(self, job_id: str, timeout: float = 5.0, *, end_only: bool = False) -> Iterator[Waiter]:
         """Subscribed (confirmed by Redis) before the block starts, so nothing appended
-        after the caller's next read can be missed."""
+        after the caller's next read can be missed. `end_only`: woken by the job's end alone
+        (`llmq:end:<id>`), not counted as a hearer of its chunks (app/events.py)."""
         self._ensure_started()
-        channel = job_channel(job_id)
+        channel = end_channel(job_id) if end_only else job_channel(job_id)
         with self._lock:
             first = channel not in self._waiters
             feed = self._feeds.get(channel)

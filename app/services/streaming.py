@@ -10,6 +10,7 @@ under gevent, no thread.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -28,6 +29,7 @@ from app.errors import Unauthorized, error_object
 from app.events import (
     END_EVENT,
     EventId,
+    JobEvents,
     end_event,
     job_stream,
     parse_event_id,
@@ -116,9 +118,17 @@ class StreamService:
         self._heartbeat = heartbeat_seconds
         self._key_check = key_check_seconds
         self._key_watch = KeyWatch(keys, key_check_seconds)
+        self._events = JobEvents(redis)
 
     def close(self) -> None:
         self._notifier.close()
+
+    def _announce(self, job_id: str) -> None:
+        """Tell the workers this job is streamed now (its subscription is confirmed, so the
+        next flush is heard anyway): one that was coalescing its chunks stops at its next
+        engine update. Without Redis the stream reads Postgres, and no worker can hear."""
+        with contextlib.suppress(RedisError):
+            self._events.announce_stream(job_id)
 
     # --- reads -------------------------------------------------------------------------
 
@@ -219,6 +229,8 @@ class StreamService:
         self, principal: Principal, view: JobView, cursor: EventId | None, include_usage: bool
     ) -> Iterator[str]:
         with self._notifier.watch(view.id) as waiter:
+            if not view.terminal:
+                self._announce(view.id)
             epoch = cursor.epoch if cursor else None
             from_postgres = False
             # `view` was read from Postgres as the stream opened: the first look there is
@@ -314,7 +326,9 @@ class StreamService:
             Unauthorized: the caller's key was revoked while waiting.
         """
         deadline = time.monotonic() + timeout
-        with self._notifier.watch(job_id) as waiter:
+        # The end alone: a synchronous caller reads no chunk, so it does not keep the job's
+        # chunks at the live cadence (worker/streaming.py), nor is it woken by each of them.
+        with self._notifier.watch(job_id, end_only=True) as waiter:
             ask_at = 0.0
             while True:
                 now = time.monotonic()

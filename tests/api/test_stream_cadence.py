@@ -1,18 +1,31 @@
 """The worker's stream publisher against real Redis: a job nobody listens to is coalesced
-more coarsely once its grace has passed; a subscriber brings the live cadence back at the
-next announcement; the log itself is the same either way."""
+more coarsely once an announcement of it went unheard; a subscriber brings the live cadence
+back at the next announcement, or at once when it is announced on `llmq:watch`; those who
+wait for the end alone hear it on `llmq:end:<id>` without being counted; the log itself is
+the same either way."""
 
 from __future__ import annotations
 
 import secrets
 import time
 from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 
 import pytest
 import redis
 
-from app.events import EventId, carried_event, is_end_notification, job_channel, job_stream
+from app.events import (
+    EventId,
+    JobEvents,
+    carried_event,
+    end_channel,
+    end_event,
+    is_end_notification,
+    job_channel,
+    job_stream,
+)
 from tests.helpers import Stores
+from worker.control import SignalListener
 from worker.streaming import StreamPublisher
 
 
@@ -24,7 +37,6 @@ def publisher(stores: Stores) -> Iterator[StreamPublisher]:
         flush_seconds=0.04,
         quiet_flush_tokens=256,
         quiet_flush_seconds=0.5,
-        listen_grace_seconds=1.0,
     )
     pub.start()
     yield pub
@@ -53,17 +65,14 @@ def heard(sub: redis.client.PubSub) -> bool:
     return False
 
 
-def test_unheard_job_is_quiet_after_its_grace_and_live_again_once_heard(
-    publisher: StreamPublisher, stores: Stores
-) -> None:
+def test_unheard_job_is_quiet_and_live_again_once_heard(publisher: StreamPublisher, stores: Stores) -> None:
     job_id = f"job_{secrets.token_hex(4)}"
     publisher.open(job_id, 1, {"id": "chatcmpl-x", "created": 0, "model": "m"})  # type: ignore[arg-type]
-    assert publisher.merge_seconds(job_id) == 0.0  # nothing announced yet
+    assert publisher.cadence(job_id) == (8, 0.04)  # nothing announced yet
+    assert publisher.merge_seconds(job_id) == 0.0
     ship(publisher, job_id, 1)
-    # Nobody heard it, but the grace has not passed: still the live cadence.
-    assert publisher.cadence(job_id, 0.5) == (8, 0.04)
-    assert publisher.cadence(job_id, 1.5) == (256, 0.5)
-    # Unheard, grace or not: the runner may take the engine's updates merged.
+    # Nobody heard it: coarser flushes, and the runner may take the engine's updates merged.
+    assert publisher.cadence(job_id) == (256, 0.5)
     assert publisher.merge_seconds(job_id) == 0.1
 
     r = redis.Redis.from_url(stores.redis_url)
@@ -72,27 +81,103 @@ def test_unheard_job_is_quiet_after_its_grace_and_live_again_once_heard(
     try:
         ship(publisher, job_id, 2)
         assert heard(sub), "the announcement did not reach the subscriber"
-        assert publisher.cadence(job_id, 1.5) == (8, 0.04)
+        assert publisher.cadence(job_id) == (8, 0.04)
         assert publisher.merge_seconds(job_id) == 0.0  # heard: every step as it comes
     finally:
         sub.close()
     ship(publisher, job_id, 3)
-    assert publisher.cadence(job_id, 1.5) == (256, 0.5)  # the subscriber left
+    assert publisher.cadence(job_id) == (256, 0.5)  # the subscriber left
     assert publisher.merge_seconds(job_id) == 0.1
     ship(publisher, job_id, 4, final=True)
-    assert publisher.cadence(job_id, 1.5) == (8, 0.04)  # forgotten once ended
+    assert publisher.cadence(job_id) == (8, 0.04)  # forgotten once ended
     assert publisher.merge_seconds(job_id) == 0.0
     assert _logged(r, job_id) == ["1-1", "1-2", "1-3", "1-4"]
 
 
+def test_a_stream_announced_on_the_watch_channel_is_live_before_the_next_flush(
+    publisher: StreamPublisher, stores: Stores
+) -> None:
+    """A client who begins to stream an unheard job is announced on `llmq:watch`: the worker's
+    signal listener takes the job out of the quiet set without waiting for a flush to be
+    heard (which, at the quiet cadence, could be half a second away)."""
+    r = redis.Redis.from_url(stores.redis_url)
+    job_id = f"job_{secrets.token_hex(4)}"
+    publisher.open(job_id, 1, {"id": "chatcmpl-x", "created": 0, "model": "m"})  # type: ignore[arg-type]
+    ship(publisher, job_id, 1)
+    assert publisher.merge_seconds(job_id) == 0.1
+    runner = SimpleNamespace(cancel=lambda job_id: False)
+    listener = SignalListener(r, runner, publisher.watched)  # type: ignore[arg-type]
+    listener.start()
+    try:
+        # Published until the listener has subscribed (a message before that is lost).
+        deadline = time.monotonic() + 5
+        while publisher.merge_seconds(job_id) != 0.0:
+            assert time.monotonic() < deadline, "the watch announcement never reached the publisher"
+            JobEvents(r).announce_stream(job_id)
+            time.sleep(0.05)
+    finally:
+        listener.stop()
+    assert publisher.cadence(job_id) == (8, 0.04)
+    assert _logged(r, job_id) == ["1-1"]  # no flush needed
+
+
+def test_a_watch_is_applied_after_the_appends_shipped_with_it(stores: Stores) -> None:
+    """An append shipped before the client subscribed answers "nobody heard" even when that
+    answer is read after the watch came in: the watch, applied after the appends of its
+    batch, wins, or the job would stay quiet until a later flush was heard."""
+    publisher = StreamPublisher(redis.Redis.from_url(stores.redis_url))  # its thread not started
+    job_id = f"job_{secrets.token_hex(4)}"
+    publisher.open(job_id, 1, {"id": "chatcmpl-x", "created": 0, "model": "m"})  # type: ignore[arg-type]
+    publisher._ship([(job_id, {"id": "1-1", "type": "chunk", "data": {}}, False)])
+    assert publisher.merge_seconds(job_id) == 0.1
+    publisher.watched(job_id)
+    watch = publisher._queue.get_nowait()
+    publisher._ship([watch, (job_id, {"id": "1-2", "type": "chunk", "data": {}}, False)])
+    assert publisher.merge_seconds(job_id) == 0.0 and publisher.cadence(job_id) == (8, 0.04)
+    assert publisher.published == 2  # events; the watch is not one
+
+
+def test_a_jobs_end_is_heard_on_its_end_channel_by_waiters_who_are_not_hearers(
+    publisher: StreamPublisher, stores: Stores
+) -> None:
+    """Its last event is announced on `llmq:end:<id>` too, by its header: a synchronous
+    answer's wait subscribes there, hears the end, and is not counted, so the job it waits
+    for stays quiet; an end written from outside the worker (a cancel, the sweeper) reaches
+    it the same way."""
+    r = redis.Redis.from_url(stores.redis_url)
+    job_id = f"job_{secrets.token_hex(4)}"
+    publisher.open(job_id, 1, {"id": "chatcmpl-x", "created": 0, "model": "m"})  # type: ignore[arg-type]
+    ends = r.pubsub(ignore_subscribe_messages=True)
+    ends.subscribe(end_channel(job_id))
+    try:
+        ship(publisher, job_id, 1)
+        ship(publisher, job_id, 2)
+        assert publisher.cadence(job_id) == (256, 0.5)  # the end's waiter is not a hearer
+        # but it is waiting: every step is taken, so an end at a stop token is seen at once
+        assert publisher.merge_seconds(job_id) == 0.0
+        assert ends.get_message(timeout=0.2) is None  # nor told of chunks
+        ship(publisher, job_id, 3, final=True)
+        assert heard(ends)
+        outside = f"job_{secrets.token_hex(4)}"
+        ends.subscribe(end_channel(outside))
+        JobEvents(r).append_end(outside, end_event(1, "cancelled", None))
+        message = None
+        deadline = time.monotonic() + 5
+        while message is None and time.monotonic() < deadline:
+            message = ends.get_message(timeout=0.1)
+        assert message is not None and message["channel"] == end_channel(outside).encode()
+        assert is_end_notification(message["data"])
+    finally:
+        ends.close()
+
+
 def test_a_job_stream_flushes_by_the_publishers_cadence(publisher: StreamPublisher) -> None:
-    """Fed one token at a time, past its grace with nobody listening, a job's chunks carry
-    many tokens each instead of one per flush interval."""
+    """Fed one token at a time with nobody listening, a job's chunks carry many tokens each
+    instead of one per flush interval."""
     from worker.engine import ChoiceDelta, EngineUpdate
 
     job_id = f"job_{secrets.token_hex(4)}"
     stream = publisher.open(job_id, 1, {"id": "chatcmpl-x", "created": 0, "model": "m"})  # type: ignore[arg-type]
-    publisher.listen_grace_seconds = 0.0
     ship_wait = time.monotonic() + 5
     for i in range(200):
         stream.add(EngineUpdate([ChoiceDelta(0, "t", [i])], 1, 0, False))
@@ -113,10 +198,10 @@ def test_a_discarded_job_is_forgotten_even_if_its_events_ship_later(publisher: S
     job_id = f"job_{secrets.token_hex(4)}"
     publisher.open(job_id, 1, {"id": "chatcmpl-x", "created": 0, "model": "m"})  # type: ignore[arg-type]
     ship(publisher, job_id, 1)
-    assert publisher.cadence(job_id, 1.5) == (256, 0.5)
+    assert publisher.cadence(job_id) == (256, 0.5)
     publisher.discard(job_id)
     ship(publisher, job_id, 2)
-    assert publisher.cadence(job_id, 1.5) == (8, 0.04)
+    assert publisher.cadence(job_id) == (8, 0.04)
 
 
 def test_an_announcement_carries_its_event_as_the_log_holds_it(

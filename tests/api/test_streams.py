@@ -22,7 +22,7 @@ from sqlalchemy import text
 import app.services.files as files_module
 from app.api import create_app
 from app.container import Services, build_services
-from app.events import job_channel, job_stream, notification
+from app.events import WATCH_CHANNEL, end_channel, job_channel, job_stream, notification
 from app.services.feeds import JobFeed
 from app.services.sse import HEARTBEAT
 from app.services.streaming import StreamService
@@ -90,8 +90,11 @@ def append(r: redis.Redis, job_id: str, event: dict[str, Any], *, carried: bool 
     event (`carried=False`: the id alone, as an end written from outside the worker)."""
     payload = json.dumps(event)
     r.xadd(job_stream(job_id), {"e": payload}, id=event["id"])
-    header = notification(event["id"], final=event["type"] == "end")
+    final = event["type"] == "end"
+    header = notification(event["id"], final=final)
     r.publish(job_channel(job_id), f"{payload}\n{header}" if carried else header)
+    if final:
+        r.publish(end_channel(job_id), header)
 
 
 @pytest.fixture(scope="module")
@@ -353,6 +356,34 @@ class SyncCall:
         self.job_id = found[0]
 
 
+def chat_response() -> dict[str, Any]:
+    return {
+        "id": "chatcmpl-x",
+        "object": "chat.completion",
+        "created": 0,
+        "model": "api-only",
+        "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "Hello"}, "finish_reason": "stop"}
+        ],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3},
+    }
+
+
+def next_message(pubsub: redis.client.PubSub, timeout: float) -> dict[str, Any] | None:
+    """The next message within `timeout` (a read that meets only the skipped subscribe
+    confirmation returns None at once)."""
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        message = pubsub.get_message(timeout=left)
+        if message is not None:
+            return message  # type: ignore[no-any-return]
+    return None
+
+
+def subscribers(r: redis.Redis, channel: str) -> int:
+    return int(dict(r.pubsub_numsub(channel)).get(channel.encode(), 0))
+
+
 def test_revoked_key_ends_a_sync_wait(quick_app: Flask, quick: Services) -> None:
     started = time.monotonic()
     sync = SyncCall(quick_app, quick)
@@ -371,21 +402,55 @@ def test_a_sync_wait_answers_with_the_stored_response_once_the_job_ends(
     sync = SyncCall(quick_app, quick)
     sync.thread.join(0.5)
     assert sync.thread.is_alive(), sync.answer  # queued: still waiting
-    response = {
-        "id": "chatcmpl-x",
-        "object": "chat.completion",
-        "created": 0,
-        "model": "api-only",
-        "choices": [
-            {"index": 0, "message": {"role": "assistant", "content": "Hello"}, "finish_reason": "stop"}
-        ],
-        "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3},
-    }
+    response = chat_response()
     for event in succeed(quick, sync.job_id, response):
         append(quick.redis, sync.job_id, event)
     sync.thread.join(10)
     assert not sync.thread.is_alive()
     assert sync.answer == {"status": 200, "body": response}
+
+
+def test_a_sync_wait_listens_for_the_end_alone(quick_app: Flask, quick: Services) -> None:
+    """A synchronous answer's wait subscribes to the job's end channel, not to its event
+    channel: the worker counts no hearer (so it coalesces the job's chunks) and the wait is
+    not woken by each chunk."""
+    sync = SyncCall(quick_app, quick)
+    r = quick.redis
+    assert wait_until(lambda: subscribers(r, end_channel(sync.job_id)) == 1, 5)
+    assert r.publish(job_channel(sync.job_id), notification("1-1", final=False)) == 0
+    for event in succeed(quick, sync.job_id, chat_response()):
+        append(r, sync.job_id, event)
+    sync.thread.join(10)
+    assert not sync.thread.is_alive() and sync.answer == {"status": 200, "body": chat_response()}
+
+
+def test_a_stream_opened_on_an_unfinished_job_is_announced_to_the_workers(
+    quick_app: Flask, quick: Services
+) -> None:
+    """Opening a stream publishes the job's id on `llmq:watch` once its subscription is
+    confirmed (a worker coalescing the job's chunks goes live at once); a finished job's
+    stream announces nothing."""
+    r = quick.redis
+    watch = r.pubsub(ignore_subscribe_messages=True)
+    watch.subscribe(WATCH_CHANNEL)
+    try:
+        assert next_message(watch, 0.2) is None  # the subscription, confirmed
+        key = new_key(quick)
+        job_id = queued_job(quick_app.test_client(), key)
+        principal = quick.keys.authenticate(key)
+        body = quick.streams.open_stream(principal, job_id, None)
+        assert next(body) == HEARTBEAT
+        assert subscribers(r, job_channel(job_id)) == 1
+        body.close()
+        message = next_message(watch, 2)
+        assert message is not None and message["data"] == job_id.encode()
+        for event in succeed(quick, job_id):
+            append(r, job_id, event)
+        ended = quick.streams.open_stream(principal, job_id, None)
+        assert list(ended)[-1] == DONE
+        assert next_message(watch, 0.5) is None
+    finally:
+        watch.close()
 
 
 # --- X10: a cap on open streams and downloads per key ------------------------------------

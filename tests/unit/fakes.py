@@ -101,7 +101,7 @@ class FakeStreams:
     flush_tokens = 4
     flush_seconds = 10.0
 
-    def cadence(self, job_id: str, age: float) -> tuple[int, float]:
+    def cadence(self, job_id: str) -> tuple[int, float]:
         return self.flush_tokens, self.flush_seconds
 
     def merge_seconds(self, job_id: str) -> float:
