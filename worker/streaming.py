@@ -157,7 +157,10 @@ class StreamPublisher:
     def watched(self, job_id: str) -> None:
         """A client began to stream the job (`llmq:watch`): live cadence again. Queued, so
         it is applied after every append shipped before it, whose answer (nobody heard:
-        sent before the client subscribed) would otherwise put the job back."""
+        sent before the client subscribed) would otherwise put the job back. Every worker
+        hears every announcement: one not running the job ignores it."""
+        if job_id not in self._history:
+            return
         self._queue.put((job_id, _WATCHED, False))
         self._urgent.set()
 

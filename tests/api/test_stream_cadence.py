@@ -135,6 +135,8 @@ def test_a_watch_is_applied_after_the_appends_shipped_with_it(stores: Stores) ->
     publisher._ship([watch, (job_id, {"id": "1-2", "type": "chunk", "data": {}}, False)])
     assert publisher.merge_seconds(job_id) == 0.0 and publisher.cadence(job_id) == (8, 0.04)
     assert publisher.published == 2  # events; the watch is not one
+    publisher.watched("job_run_elsewhere")  # every worker hears it; only its runner acts
+    assert publisher._queue.empty()
 
 
 def test_a_jobs_end_is_heard_on_its_end_channel_by_waiters_who_are_not_hearers(
