@@ -484,3 +484,14 @@ def pick_stop(full: str) -> str:
         if piece.strip() and full.find(piece) == start and "\ufffd" not in piece:
             return piece
     raise AssertionError(f"no stop string in {full!r}")
+
+
+def next_message(pubsub: redis.client.PubSub, timeout: float) -> dict[str, Any] | None:
+    """The next pub/sub message within `timeout` (a read that meets only a skipped subscribe
+    confirmation returns None at once, so one read is not enough)."""
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        message = pubsub.get_message(timeout=left)
+        if message is not None:
+            return message  # type: ignore[no-any-return]
+    return None

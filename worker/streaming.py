@@ -53,7 +53,7 @@ from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from app.completions import ChunkHeader
-from app.events import end_channel, job_channel, job_stream, notification
+from app.events import END_EVENT, end_channel, job_channel, job_stream, notification
 from app.jsontext import compact_bytes
 from app.threads import name_native_thread
 from worker.deltas import JobStream
@@ -336,7 +336,10 @@ class StreamPublisher:
 
     def _restore(self, job_ids: set[str]) -> None:
         """The stream was gone when its next event came (Redis restarted without its data):
-        write the attempt's whole log again, so a client resuming mid-stream finds it."""
+        write the attempt's whole log again, so a client resuming mid-stream finds it. When
+        the event that found it gone was the job's last, the log ends as the append would
+        have ended it: with its expiry, and the end announced on both channels (a
+        synchronous answer waits on the end channel)."""
         with self._lock:
             snapshot = {j: list(self._history.get(j, [])) for j in job_ids}
         pipe = self._redis.pipeline(transaction=False)
@@ -347,6 +350,13 @@ class StreamPublisher:
             pipe.delete(key)
             for event in events:
                 pipe.xadd(key, {"e": compact_bytes(event)}, id=event["id"])
-            pipe.publish(job_channel(job_id), events[-1]["id"])
+            last = events[-1]
+            if last.get("type") == END_EVENT:
+                header = notification(last["id"], final=True)
+                pipe.expire(key, int(self._expire))
+                pipe.publish(job_channel(job_id), header)
+                pipe.publish(end_channel(job_id), header)
+            else:
+                pipe.publish(job_channel(job_id), last["id"])
         pipe.execute(raise_on_error=False)
         log.warning("stream logs rebuilt after Redis lost them", extra={"jobs": len(snapshot)})

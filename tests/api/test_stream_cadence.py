@@ -24,7 +24,7 @@ from app.events import (
     job_channel,
     job_stream,
 )
-from tests.helpers import Stores
+from tests.helpers import Stores, next_message
 from worker.control import SignalListener
 from worker.streaming import StreamPublisher
 
@@ -157,16 +157,14 @@ def test_a_jobs_end_is_heard_on_its_end_channel_by_waiters_who_are_not_hearers(
         assert publisher.cadence(job_id) == (256, 0.5)  # the end's waiter is not a hearer
         # but it is waiting: every step is taken, so an end at a stop token is seen at once
         assert publisher.merge_seconds(job_id) == 0.0
-        assert ends.get_message(timeout=0.2) is None  # nor told of chunks
+        assert next_message(ends, 0.3) is None  # nor told of chunks
         ship(publisher, job_id, 3, final=True)
-        assert heard(ends)
+        message = next_message(ends, 5)
+        assert message is not None and message["data"] == b"1-3 end"
         outside = f"job_{secrets.token_hex(4)}"
         ends.subscribe(end_channel(outside))
         JobEvents(r).append_end(outside, end_event(1, "cancelled", None))
-        message = None
-        deadline = time.monotonic() + 5
-        while message is None and time.monotonic() < deadline:
-            message = ends.get_message(timeout=0.1)
+        message = next_message(ends, 5)
         assert message is not None and message["channel"] == end_channel(outside).encode()
         assert is_end_notification(message["data"])
     finally:
@@ -273,6 +271,33 @@ def test_events_ship_after_redis_drops_its_scripts(publisher: StreamPublisher, s
         sub.close()
     ship(publisher, job_id, 3, final=True)
     assert _logged(r, job_id) == ["1-1", "1-2", "1-3"]
+
+
+def test_a_log_redis_lost_is_written_again_and_its_end_announced_on_both_channels(
+    publisher: StreamPublisher, stores: Stores
+) -> None:
+    """Redis lost the stream (a restart without its data) before the job's last event: the
+    worker writes the whole log again, with its expiry, and announces the end as the append
+    would have, on the job's channel and on its end channel, where a synchronous answer
+    waits."""
+    r = redis.Redis.from_url(stores.redis_url)
+    job_id = f"job_{secrets.token_hex(4)}"
+    publisher.open(job_id, 1, {"id": "chatcmpl-x", "created": 0, "model": "m"})  # type: ignore[arg-type]
+    ship(publisher, job_id, 1)
+    r.delete(job_stream(job_id))
+    channels = r.pubsub(ignore_subscribe_messages=True)
+    channels.subscribe(job_channel(job_id), end_channel(job_id))
+    try:
+        assert next_message(channels, 0.3) is None  # both subscriptions confirmed
+        publisher.submit(job_id, {"id": "1-2", "type": "end", "status": "succeeded"}, final=True)
+        got = {}
+        while len(got) < 2 and (message := next_message(channels, 5)) is not None:
+            got[message["channel"]] = message["data"]
+    finally:
+        channels.close()
+    assert got == {job_channel(job_id).encode(): b"1-2 end", end_channel(job_id).encode(): b"1-2 end"}
+    assert _logged(r, job_id) == ["1-1", "1-2"]
+    assert 0 < r.ttl(job_stream(job_id)) <= 3600
 
 
 def _until(check: Callable[[], bool], seconds: float = 5.0) -> float:

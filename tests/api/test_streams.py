@@ -26,7 +26,7 @@ from app.events import WATCH_CHANNEL, end_channel, job_channel, job_stream, noti
 from app.services.feeds import JobFeed
 from app.services.sse import HEARTBEAT
 from app.services.streaming import StreamService
-from tests.helpers import Stores, auth, jsonl, line, make_settings, upload
+from tests.helpers import Stores, auth, jsonl, line, make_settings, next_message, upload
 
 DONE = "data: [DONE]\n\n"
 
@@ -369,17 +369,6 @@ def chat_response() -> dict[str, Any]:
     }
 
 
-def next_message(pubsub: redis.client.PubSub, timeout: float) -> dict[str, Any] | None:
-    """The next message within `timeout` (a read that meets only the skipped subscribe
-    confirmation returns None at once)."""
-    deadline = time.monotonic() + timeout
-    while (left := deadline - time.monotonic()) > 0:
-        message = pubsub.get_message(timeout=left)
-        if message is not None:
-            return message  # type: ignore[no-any-return]
-    return None
-
-
 def subscribers(r: redis.Redis, channel: str) -> int:
     return int(dict(r.pubsub_numsub(channel)).get(channel.encode(), 0))
 
@@ -410,17 +399,21 @@ def test_a_sync_wait_answers_with_the_stored_response_once_the_job_ends(
     assert sync.answer == {"status": 200, "body": response}
 
 
-def test_a_sync_wait_listens_for_the_end_alone(quick_app: Flask, quick: Services) -> None:
+def test_a_sync_wait_listens_for_the_end_alone(
+    quick_app: Flask, quick: Services, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A synchronous answer's wait subscribes to the job's end channel, not to its event
     channel: the worker counts no hearer (so it coalesces the job's chunks) and the wait is
-    not woken by each chunk."""
+    not woken by each chunk. Its heartbeat look at Postgres is a minute away here: only the
+    end channel's notification can answer it in time."""
+    monkeypatch.setattr(quick.streams, "_heartbeat", 60.0)
     sync = SyncCall(quick_app, quick)
     r = quick.redis
     assert wait_until(lambda: subscribers(r, end_channel(sync.job_id)) == 1, 5)
     assert r.publish(job_channel(sync.job_id), notification("1-1", final=False)) == 0
     for event in succeed(quick, sync.job_id, chat_response()):
         append(r, sync.job_id, event)
-    sync.thread.join(10)
+    sync.thread.join(5)
     assert not sync.thread.is_alive() and sync.answer == {"status": 200, "body": chat_response()}
 
 
