@@ -49,6 +49,14 @@ def end_channel(job_id: str) -> str:
     return f"llmq:end:{job_id}"
 
 
+def announce_end(pipe: Any, job_id: str, event_id: str) -> None:
+    """Queue on `pipe` the notifications of a job's end event: on its channel, for its
+    hearers, and on its end channel, for those who wait for the end alone."""
+    header = notification(event_id, final=True)
+    pipe.publish(job_channel(job_id), header)
+    pipe.publish(end_channel(job_id), header)
+
+
 def job_stream(job_id: str) -> str:
     return f"llmq:events:{job_id}"
 
@@ -141,9 +149,7 @@ class JobEvents:
             for job_id, event in ends[start : start + page]:
                 pipe.xadd(job_stream(job_id), {"e": compact_bytes(event)}, id=event["id"])
                 pipe.expire(job_stream(job_id), STREAM_EXPIRE_SECONDS)
-                header = notification(event["id"], final=True)
-                pipe.publish(job_channel(job_id), header)
-                pipe.publish(end_channel(job_id), header)
+                announce_end(pipe, job_id, event["id"])
             pipe.execute(raise_on_error=False)
 
     def announce_stream(self, job_id: str) -> None:

@@ -53,7 +53,7 @@ from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from app.completions import ChunkHeader
-from app.events import END_EVENT, end_channel, job_channel, job_stream, notification
+from app.events import END_EVENT, announce_end, end_channel, job_channel, job_stream, notification
 from app.jsontext import compact_bytes
 from app.threads import name_native_thread
 from worker.deltas import JobStream
@@ -269,8 +269,14 @@ class StreamPublisher:
                 heard, awaited = result
                 with self._lock:  # only while it runs here: not ended, handed back or discarded
                     running = job_id in self._history and not final
-                    (self._unheard.discard if heard > 1 or not running else self._unheard.add)(job_id)
-                    (self._awaited.add if awaited and running else self._awaited.discard)(job_id)
+                    if running and heard == 1:
+                        self._unheard.add(job_id)
+                    else:
+                        self._unheard.discard(job_id)
+                    if running and awaited:
+                        self._awaited.add(job_id)
+                    else:
+                        self._awaited.discard(job_id)
         if lost:
             self._restore(lost)
         self.published += len(batch)
@@ -352,10 +358,8 @@ class StreamPublisher:
                 pipe.xadd(key, {"e": compact_bytes(event)}, id=event["id"])
             last = events[-1]
             if last.get("type") == END_EVENT:
-                header = notification(last["id"], final=True)
                 pipe.expire(key, int(self._expire))
-                pipe.publish(job_channel(job_id), header)
-                pipe.publish(end_channel(job_id), header)
+                announce_end(pipe, job_id, last["id"])
             else:
                 pipe.publish(job_channel(job_id), last["id"])
         pipe.execute(raise_on_error=False)
