@@ -35,7 +35,7 @@ from app.schemas.scale import (
 from app.schemas.text_completion import CompletionRequest
 from app.services.keys import Principal
 from app.services.parsing import parse_model
-from app.services.sse import frame_data
+from app.services.sse import frame_data, frames_of
 from app.services.streaming import StreamService
 from app.services.text_completions import TextCompletionService
 
@@ -216,7 +216,7 @@ def relay(job_id: str, frames: Iterator[str], *, logprobs: bool) -> Iterator[str
     held back, so the last one can carry `finished` and the usage that follows it."""
     held: CompletionStreamOutput | None = None
     counted = 0
-    for frame in frames:
+    for frame in (one for piece in frames for one in frames_of(piece)):
         data = frame_data(frame)
         if data is None:
             yield frame  # a heartbeat: a comment line, which the client skips

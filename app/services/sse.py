@@ -18,6 +18,13 @@ def frame(data: Mapping[str, Any], event_id: str) -> str:
     return f"id: {event_id}\ndata: {compact(data)}\n\n"
 
 
+def frames_of(text: str) -> list[str]:
+    """The frames in one piece of a stream (`_sse` in app/services/streaming.py writes the
+    events it read at once as one piece). A frame's JSON never holds a raw newline, so a
+    blank line ends each."""
+    return [part + "\n\n" for part in text.split("\n\n") if part]
+
+
 def frame_data(text: str) -> str | None:
     """The `data:` payload of one frame written here (`frame`, `DONE`, the error frames),
     or None for a frame without one (a heartbeat)."""

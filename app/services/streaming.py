@@ -269,16 +269,23 @@ class StreamService:
                                 yield DONE
                                 return
                 fresh = None
+                # The events read at once go out as one piece: one write to the socket, not
+                # one each (a stream that falls behind catches up in fewer, larger writes).
+                out: list[str] = []
                 for event in events:
                     eid = event_id(event)
                     if epoch is not None and eid.epoch > epoch and event.get("type") != END_EVENT:
-                        yield from restarted(eid)
+                        out.extend(restarted(eid))
+                        yield "".join(out)
                         return
                     epoch, cursor = eid.epoch, eid
                     if event.get("type") == END_EVENT:
-                        yield from self._final(view, event, include_usage)
+                        out.extend(self._final(view, event, include_usage))
+                        yield "".join(out)
                         return
-                    yield frame(event["data"], str(eid))
+                    out.append(frame(event["data"], str(eid)))
+                if out:
+                    yield "".join(out)
                 if events:
                     next_heartbeat = time.monotonic() + self._heartbeat
                     continue

@@ -24,7 +24,7 @@ from app.api import create_app
 from app.container import Services, build_services
 from app.events import WATCH_CHANNEL, end_channel, job_channel, job_stream, notification
 from app.services.feeds import JobFeed
-from app.services.sse import HEARTBEAT
+from app.services.sse import HEARTBEAT, frames_of
 from app.services.streaming import StreamService
 from tests.helpers import Stores, auth, jsonl, line, make_settings, next_message, upload
 
@@ -197,6 +197,18 @@ def test_resume_before_the_end_replays_the_rest(
     assert reader.text.endswith(DONE)
 
 
+def test_the_events_read_at_once_are_written_as_one_piece(
+    client: FlaskClient, finished_job: tuple[str, str]
+) -> None:
+    """A stream behind the log (here: opened after the job ended) catches up in one write,
+    not one per event: the backlog, the end and `[DONE]` are one piece of the body."""
+    key, job_id = finished_job
+    reader = Reader(client, f"/v2/jobs/{job_id}/stream", auth(key))
+    assert reader.done.wait(5)
+    assert len(reader.parts) == 1
+    assert [p.split("\n", 1)[0] for p in reader.data()] == ["id: 1-1", "id: 1-2", DONE.strip()]
+
+
 @pytest.fixture
 def view_reads(quick: Services, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Each time a stream reads its job from Postgres; only a heartbeat wakes a quiet
@@ -263,7 +275,7 @@ def test_a_streamed_request_relays_its_new_job_without_reading_it_back(
     assert "id: 1-1" in next(result.stream)
     usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
     append(quick.redis, result.job_id, {**end("1-2"), "usage": usage})
-    rest = list(result.stream)
+    rest = frames_of("".join(result.stream))  # the end's frames come as one piece
     assert json.loads(rest[0].split("data: ", 1)[1])["usage"] == usage
     assert rest[-1] == DONE
     assert view_reads == [result.job_id]  # only the look after a quiet heartbeat
@@ -440,7 +452,7 @@ def test_a_stream_opened_on_an_unfinished_job_is_announced_to_the_workers(
         for event in succeed(quick, job_id):
             append(r, job_id, event)
         ended = quick.streams.open_stream(principal, job_id, None)
-        assert list(ended)[-1] == DONE
+        assert "".join(ended).endswith(DONE)
         assert next_message(watch, 0.5) is None
     finally:
         watch.close()

@@ -64,6 +64,15 @@ def test_the_last_output_is_finished_and_carries_both_counts() -> None:
     assert {e["request_id"] for e in got} == {"job_1"}
 
 
+def test_frames_written_as_one_piece_relay_as_they_do_one_by_one() -> None:
+    """The job's stream writes the events it read at once as one piece (app/services/streaming.py)."""
+    frames = [frame(chunk("a b"), "1-1"), HEARTBEAT, frame(chunk(" c", finish="length"), "1-2")]
+    one_by_one = events([*frames, frame(USAGE, "1-3"), DONE])
+    pieces = events(["".join(frames), frame(USAGE, "1-3") + DONE])
+    assert [e["output"] for e in pieces] == [e["output"] for e in one_by_one]
+    assert [e["output"]["text"] for e in pieces] == ["a b", " c"]
+
+
 def test_with_log_probabilities_each_token_is_an_event() -> None:
     got = events(
         [
