@@ -47,6 +47,9 @@ from app.text_completions import text_usage_chunk
 
 log = logging.getLogger("llmq.stream")
 
+# About how much of a stream's backlog one write carries (characters of SSE text).
+PIECE_CHARS = 64 * 1024
+
 
 @dataclass
 class JobView:
@@ -271,7 +274,10 @@ class StreamService:
                 fresh = None
                 # The events read at once go out as one piece: one write to the socket, not
                 # one each (a stream that falls behind catches up in fewer, larger writes).
+                # A long backlog goes in pieces of PIECE_CHARS or so, so that a stream
+                # holds no more than that beyond the process's copy of the log.
                 out: list[str] = []
+                held = 0
                 for event in events:
                     eid = event_id(event)
                     if epoch is not None and eid.epoch > epoch and event.get("type") != END_EVENT:
@@ -284,6 +290,10 @@ class StreamService:
                         yield "".join(out)
                         return
                     out.append(frame(event["data"], str(eid)))
+                    held += len(out[-1])
+                    if held >= PIECE_CHARS:
+                        yield "".join(out)
+                        out, held = [], 0
                 if out:
                     yield "".join(out)
                 if events:

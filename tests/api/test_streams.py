@@ -24,8 +24,8 @@ from app.api import create_app
 from app.container import Services, build_services
 from app.events import WATCH_CHANNEL, end_channel, job_channel, job_stream, notification
 from app.services.feeds import JobFeed
-from app.services.sse import HEARTBEAT, frames_of
-from app.services.streaming import StreamService
+from app.services.sse import HEARTBEAT, frame, frames_of
+from app.services.streaming import PIECE_CHARS, StreamService
 from tests.helpers import Stores, auth, jsonl, line, make_settings, next_message, upload
 
 DONE = "data: [DONE]\n\n"
@@ -207,6 +207,27 @@ def test_the_events_read_at_once_are_written_as_one_piece(
     assert reader.done.wait(5)
     assert len(reader.parts) == 1
     assert [p.split("\n", 1)[0] for p in reader.data()] == ["id: 1-1", "id: 1-2", DONE.strip()]
+
+
+def test_a_long_backlog_is_written_in_pieces_of_bounded_size(client: FlaskClient, services: Services) -> None:
+    """However long the log a stream catches up on, one write carries about PIECE_CHARS
+    (plus one frame), so a stream holds little beyond the process's copy of the log."""
+    key = new_key(services)
+    job_id = queued_job(client, key)
+    text_of = "x" * 1000
+    for seq in range(1, 401):
+        event = chunk(f"1-{seq}", text_of)
+        services.redis.xadd(job_stream(job_id), {"e": json.dumps(event)}, id=event["id"])
+    ended = end("1-401")
+    services.redis.xadd(job_stream(job_id), {"e": json.dumps(ended)}, id=ended["id"])
+    reader = Reader(client, f"/v2/jobs/{job_id}/stream", auth(key))
+    assert reader.done.wait(10)
+    one_frame = len(frame(chunk("1-400", text_of)["data"], "1-400"))
+    assert len(reader.parts) > 400 * one_frame // PIECE_CHARS
+    assert max(len(p) for p in reader.parts) < PIECE_CHARS + 2 * one_frame
+    contents = [p for p in reader.data() if p.startswith("id: ")]
+    assert [p.split("\n", 1)[0] for p in contents] == [f"id: 1-{i}" for i in range(1, 401)]
+    assert reader.text.endswith(DONE)
 
 
 @pytest.fixture
