@@ -88,6 +88,13 @@ class Settings(BaseSettings):
     max_inflight: int | None = Field(
         default=None, ge=1, description="Jobs in flight per worker; default 2 x max_num_seqs."
     )
+    quiet_stream_interval: int = Field(
+        default=16,
+        ge=1,
+        description="Tokens per engine update (vLLM's stream_interval) for a job not submitted "
+        "with stream: true, until a client streams it; the first and last come at once. 1: every "
+        "token.",
+    )
 
     # Request bounds, enforced before anything is queued.
     max_n: int = Field(default=8, ge=1)

@@ -99,6 +99,12 @@ class Engine(Protocol):
 
     async def abort(self, request_id: str) -> None: ...
 
+    def hasten(self, request_id: str) -> None:
+        """A client streams this request now: from its next steps on, its updates come as
+        they are made, not `stream_interval` tokens apart (`sampling_kwargs`'s quiet
+        interval). Called on the engine's loop; a request not (yet) running is no error."""
+        ...
+
     async def close(self) -> None: ...
 
     def process_ids(self) -> list[int]:
@@ -195,6 +201,9 @@ class InstantEngine:
 
     async def abort(self, request_id: str) -> None:
         self._aborted.add(request_id)
+
+    def hasten(self, request_id: str) -> None:
+        """Every token is an update here already."""
 
     async def close(self) -> None:
         self.started = False

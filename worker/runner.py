@@ -56,6 +56,9 @@ class Inflight:
     cancelled: bool = False
     lost: bool = False
     released: bool = False
+    # While the runner leaves the engine's updates merging (nobody watches): the future
+    # its wait ends on, set early by `hasten`. Only touched on the engine's loop.
+    nap: asyncio.Future[None] | None = None
 
 
 @dataclass
@@ -78,6 +81,9 @@ class RunnerConfig:
     # not lines), and a chunk waiting in it is out of every other worker's reach; its engine
     # meanwhile has its own waiting lines, so handing the chunk on costs it nothing.
     chunk_slot_wait_seconds: float = 2.0
+    # Tokens per engine update for a job not submitted with `stream: true` (1: every token),
+    # until somebody streams it (`hasten`). See worker/translate.py's `sampling_kwargs`.
+    quiet_stream_interval: int = 1
     # Told of each job this worker ended, once its end is stored (worker/metrics.py).
     observe: Callable[[JobFigures], None] | None = None
 
@@ -211,6 +217,21 @@ class JobRunner:
     def lose(self, job_id: str) -> None:
         """Another worker owns the job now (our lease lapsed, or its batch ended): stop."""
         self._abort(job_id, "lost")
+
+    def hasten(self, job_id: str) -> None:
+        """Somebody streams `job_id` now: its engine updates come as they are made, not
+        `quiet_stream_interval` tokens apart (the stream publisher's `on_heard`)."""
+        with self._lock:
+            item = self._inflight.get(job_id)
+        if item is not None:
+            self._loop.loop.call_soon_threadsafe(self._hasten, item)
+
+    def _hasten(self, item: Inflight) -> None:
+        """On the loop: the engine's updates as they come, and the runner's wait for them
+        cut short, so the new subscriber's first live event is a step away, not a merge."""
+        self._engine.hasten(item.request_id)
+        if item.nap is not None and not item.nap.done():
+            item.nap.set_result(None)
 
     def release_all(self, grace_seconds: float) -> int:
         """Wait up to `grace_seconds` for running jobs to finish, then abort the rest and
@@ -390,6 +411,7 @@ class JobRunner:
                 max_model_len=self._engine.max_model_len(),
                 tool_parser=self._config.tool_parser,
                 priority=claim.priority,
+                quiet_interval=self._config.quiet_stream_interval,
             )
             if tr.constraint is not None:
                 # Never compiled here first: a constraint that crashes the compiler is a
@@ -430,6 +452,8 @@ class JobRunner:
 
         spec = run.tr.spec
         merges = self._engine.merges_updates
+        item = run.item
+        loop = asyncio.get_running_loop()
 
         async def generate() -> None:
             async for update in self._engine.generate(spec):
@@ -438,9 +462,18 @@ class JobRunner:
                 if run.constraint_key is not None and outcome.first_token is not None:
                     self._proven.add(run.constraint_key)
                 # Nobody is watching: the engine's next steps wait, merged into one update
-                # (worker/streaming.py, quiet_merge_seconds).
+                # (worker/streaming.py, quiet_merge_seconds), unless somebody comes to watch
+                # meanwhile (`hasten`). What asyncio.sleep does, with the future reachable.
                 if merges and not update.finished and (pause := stream.merge_seconds()):
-                    await asyncio.sleep(outcome.merge_pause(pause, spec.sampling.get("max_tokens")))
+                    item.nap = loop.create_future()
+                    timer = loop.call_later(
+                        outcome.merge_pause(pause, spec.sampling.get("max_tokens")), _wake, item.nap
+                    )
+                    try:
+                        await item.nap
+                    finally:
+                        timer.cancel()
+                        item.nap = None
 
         try:
             # In this task (wait_for would run it in a task of its own): one timer, no task.
@@ -670,6 +703,11 @@ class JobRunner:
                 log.warning("database unavailable; retrying the write", extra={**ctx, "retry_in": delay})
                 time.sleep(delay)
                 delay = min(delay * 2, 10.0)
+
+
+def _wake(nap: asyncio.Future[None]) -> None:
+    if not nap.done():
+        nap.set_result(None)
 
 
 def timings(run: Run, ended: float) -> None:

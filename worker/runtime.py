@@ -165,10 +165,12 @@ class WorkerRuntime:
                 tool_parser=settings.tool_call_parser,
                 max_inflight=settings.inflight_limit,
                 max_request_bytes=settings.max_request_bytes,
+                quiet_stream_interval=settings.quiet_stream_interval,
                 observe=self.metrics.observe,
             ),
             constraints=self.constraints,
         )
+        self.streams.on_heard = self.runner.hasten
         self.sweeper = Sweeper(
             self.db,
             self.store,

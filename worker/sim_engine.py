@@ -188,6 +188,9 @@ class SimulatedEngine:
         self._end(request)
         request.updates.put_nowait(EngineUpdate(deltas, len(request.spec.prompt_token_ids), 0, True))
 
+    def hasten(self, request_id: str) -> None:
+        """Every step is an update here already."""
+
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()

@@ -28,6 +28,12 @@ token may be stored up to that long after the engine ended it (its engine slot i
 once; one that runs to `max_tokens` is taken as it ends); a job somebody waits for (a
 synchronous answer) takes every step, so its end is answered as it comes.
 
+A job not submitted with `stream: true` also reaches the worker in updates of
+`LLMQ_QUIET_STREAM_INTERVAL` tokens (vLLM's `stream_interval`: its per-step output is most
+of what a job costs the worker beyond the engine); the first time an announcement of it is
+heard or it is watched, `on_heard` (the runner's `hasten`) has the engine give it every
+other token from then on.
+
 Such a job's later events are also gathered: the shipping thread holds one for up to
 `quiet_gather_seconds`, so that what every quiet job flushes meanwhile goes in the same
 round trip, and the job threads queueing them never wake it. An event somebody may hear
@@ -45,6 +51,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from redis import Redis
@@ -118,6 +125,10 @@ class StreamPublisher:
         # one flush).
         self._unheard: set[str] = set()
         self._awaited: set[str] = set()
+        # Running jobs somebody has streamed (an announcement heard, or `llmq:watch`), each
+        # told once to `on_heard` (the runner's `hasten`), on this thread.
+        self._heard: set[str] = set()
+        self.on_heard: Callable[[str], None] | None = None
         self._max_len = str(max_len).encode()
         self._expire = str(expire_seconds).encode()
         self._queue: queue.SimpleQueue[tuple[str, dict[str, Any], bool] | None] = queue.SimpleQueue()
@@ -133,6 +144,7 @@ class StreamPublisher:
         """A new attempt starts a clean log: an older attempt's events are dropped."""
         with self._lock:
             self._history[job_id] = []
+            self._heard.discard(job_id)
         if epoch > 1:
             self._queue.put((job_id, {"reset": True}, False))
             self._urgent.set()
@@ -184,6 +196,7 @@ class StreamPublisher:
             self._history.pop(job_id, None)
             self._unheard.discard(job_id)
             self._awaited.discard(job_id)
+            self._heard.discard(job_id)
 
     def start(self) -> None:
         self._thread.start()
@@ -239,13 +252,24 @@ class StreamPublisher:
         watched = [job_id for job_id, event, _ in batch if event is _WATCHED]
         if watched:
             batch = [item for item in batch if item[1] is not _WATCHED]
-        if batch:
-            self._append(batch)
+        heard = self._append(batch) if batch else []
         # After the appends before them, whose answers predate the client's subscription;
         # those shipped with or after them are heard.
         self._unheard.difference_update(watched)
+        with self._lock:
+            for job_id in watched:
+                if job_id in self._history and job_id not in self._heard:
+                    self._heard.add(job_id)
+                    heard.append(job_id)
+        if heard and self.on_heard is not None:
+            for job_id in heard:
+                try:
+                    self.on_heard(job_id)
+                except Exception:  # a stream's cadence is not worth this thread
+                    log.exception("could not hasten a streamed job", extra={"job_id": job_id})
 
-    def _append(self, batch: list[tuple[str, dict[str, Any], bool]]) -> None:
+    def _append(self, batch: list[tuple[str, dict[str, Any], bool]]) -> list[str]:
+        """Ship the batch; the running jobs heard for the first time."""
         appended = [(job_id, final) for job_id, event, final in batch if not event.get("reset")]
         results = self._send(batch)
         if any(isinstance(r, NoScriptError) for r in results):
@@ -256,6 +280,7 @@ class StreamPublisher:
             results = self._send(batch)
         outcomes = [r for (_, event, _), r in zip(batch, results, strict=True) if not event.get("reset")]
         lost: set[str] = set()
+        first_heard: list[str] = []
         for (job_id, final), result in zip(appended, outcomes, strict=True):
             if isinstance(result, ResponseError):
                 # An id at or below the stream's last one: this attempt was superseded (a
@@ -273,6 +298,9 @@ class StreamPublisher:
                         self._unheard.add(job_id)
                     else:
                         self._unheard.discard(job_id)
+                    if running and heard > 1 and job_id not in self._heard:
+                        self._heard.add(job_id)
+                        first_heard.append(job_id)
                     if running and awaited:
                         self._awaited.add(job_id)
                     else:
@@ -286,6 +314,8 @@ class StreamPublisher:
                     self._history.pop(job_id, None)
                     self._unheard.discard(job_id)
                     self._awaited.discard(job_id)
+                    self._heard.discard(job_id)
+        return first_heard
 
     def _send(self, batch: list[tuple[str, dict[str, Any], bool]]) -> list[Any]:
         """The batch's commands in one round trip; their results, errors included. The

@@ -28,6 +28,7 @@ def translate_completion(
     renderer: Renderer,
     max_model_len: int,
     priority: int | None = None,
+    quiet_interval: int = 1,
 ) -> Translation:
     """Raises:
     InvalidRequest: the prompt does not fit the model's context (a 400 for this job only).
@@ -40,7 +41,11 @@ def translate_completion(
         request_id=request_id,
         prompt_token_ids=prompt,
         sampling=sampling_kwargs(
-            req, max_tokens=max_tokens, bench=False, structured=found.kwargs if found is not None else None
+            req,
+            max_tokens=max_tokens,
+            bench=False,
+            structured=found.kwargs if found is not None else None,
+            quiet_interval=quiet_interval,
         ),
         priority=clamp(req.effective_priority() if priority is None else priority),
     )

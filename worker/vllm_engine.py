@@ -31,6 +31,12 @@ from worker.engine import (
 
 log = logging.getLogger("llmq.engine")
 
+# Tokens per update of a request a client began to stream after it started (`hasten`):
+# every other step's, where the live stream's chunks are 8 tokens or 40 ms apart anyway
+# (worker/streaming.py). Not 1: at 1, vLLM 0.32 gives a request only the step's own tokens,
+# and those it held back since the request's last update would be lost.
+LIVE_INTERVAL = 2
+
 
 class VllmEngine:
     name = "vllm"
@@ -51,6 +57,8 @@ class VllmEngine:
         self._priority_scheduling = True
         self._tool_parser: Any = None
         self._byte_decoder: dict[str, int] | None = None
+        # Requests hastened before vLLM had them (see hasten): lowered at their first update.
+        self._hasten_later: set[str] = set()
 
     async def start(self) -> None:
         from worker.vllm_plugin import arm_children
@@ -130,9 +138,15 @@ class VllmEngine:
             prompt_top = params.prompt_logprobs
             prompt_len = len(spec.prompt_token_ids)
             token_bytes = self._token_bytes
+            first = True
             async for out in self._llm.generate(
                 prompt, params, spec.request_id, priority=spec.priority if self._priority_scheduling else 0
             ):
+                if first:
+                    first = False
+                    if spec.request_id in self._hasten_later:
+                        self._hasten_later.discard(spec.request_id)
+                        self._lower_interval(spec.request_id)
                 yield EngineUpdate(
                     deltas=[_delta(o, top, token_bytes) for o in out.outputs],
                     prompt_tokens=len(out.prompt_token_ids) if out.prompt_token_ids else prompt_len,
@@ -149,10 +163,34 @@ class VllmEngine:
                 raise PromptTooLong(str(exc)) from exc
             # The request's own fault (out-of-vocabulary token ids, ...): a 400, not an engine error.
             raise RequestRejected(str(exc), getattr(exc, "parameter", None)) from exc
+        finally:
+            self._hasten_later.discard(spec.request_id)
 
     async def abort(self, request_id: str) -> None:
         if self._llm is not None:
             await self._llm.abort(request_id)
+
+    def hasten(self, request_id: str) -> None:
+        """vLLM fixes a request's `stream_interval` as it arrives; here it is lowered, in
+        the state vLLM's output processor keeps for the request (for each of its children
+        with n > 1), which runs on this loop. A request vLLM does not have yet is lowered at
+        its first update. That state is not a public API of vLLM: on a version without it,
+        the request keeps its interval and its stream comes in coarser chunks."""
+        if not self._lower_interval(request_id) and len(self._hasten_later) < 100_000:
+            self._hasten_later.add(request_id)
+
+    def _lower_interval(self, request_id: str) -> bool:
+        """False when vLLM has no such request (yet)."""
+        processor = getattr(self._llm, "output_processor", None)
+        internal = getattr(processor, "external_req_ids", {}).get(request_id)
+        if not internal:
+            return False
+        states = getattr(processor, "request_states", {})
+        for internal_id in internal:
+            state = states.get(internal_id)
+            if state is not None and getattr(state, "stream_interval", 1) > LIVE_INTERVAL:
+                state.stream_interval = LIVE_INTERVAL
+        return True
 
     async def close(self) -> None:
         """Shut the engine down and make sure none of its processes outlive it (a vLLM

@@ -139,6 +139,51 @@ def test_a_watch_is_applied_after_the_appends_shipped_with_it(stores: Stores) ->
     assert publisher._queue.empty()
 
 
+def test_a_job_is_told_heard_once_per_attempt_when_heard_or_watched(stores: Stores) -> None:
+    """`on_heard` (the runner's `hasten`, which brings a job's engine updates back to every
+    other token) is told each running job the first time an announcement of it is heard or
+    it is watched, once per attempt; never for one nobody heard, nor for one not running here."""
+    r = redis.Redis.from_url(stores.redis_url)
+    publisher = StreamPublisher(r)  # its thread not started: _ship runs here
+    told: list[str] = []
+    publisher.on_heard = told.append
+    header = {"id": "chatcmpl-x", "created": 0, "model": "m"}
+    heard_job, watched_job = f"job_{secrets.token_hex(4)}", f"job_{secrets.token_hex(4)}"
+    publisher.open(heard_job, 1, header)  # type: ignore[arg-type]
+    publisher.open(watched_job, 1, header)  # type: ignore[arg-type]
+    publisher._ship([(heard_job, {"id": "1-1", "type": "chunk", "data": {}}, False)])
+    assert told == []  # nobody heard it
+    sub = r.pubsub(ignore_subscribe_messages=True)
+    sub.subscribe(job_channel(heard_job))
+    try:
+        for seq in (2, 3):
+            publisher._ship([(heard_job, {"id": f"1-{seq}", "type": "chunk", "data": {}}, False)])
+        assert told == [heard_job]  # heard twice, told once
+        publisher.watched(watched_job)
+        publisher.watched(watched_job)
+        publisher._ship([publisher._queue.get_nowait(), publisher._queue.get_nowait()])
+        assert told == [heard_job, watched_job]
+        publisher.watched("job_run_elsewhere")
+        assert publisher._queue.empty()
+        # A new attempt is a new engine request: heard again, told again.
+        publisher.open(heard_job, 2, header)  # type: ignore[arg-type]
+        publisher._queue.get_nowait()  # its log's reset
+        publisher._ship([(heard_job, {"id": "2-1", "type": "chunk", "data": {}}, False)])
+        assert told == [heard_job, watched_job, heard_job]
+    finally:
+        sub.close()
+
+    def fails(job_id: str) -> None:
+        raise RuntimeError("boom")
+
+    publisher.on_heard = fails
+    publisher.open(heard_job, 3, header)  # type: ignore[arg-type]
+    reset = publisher._queue.get_nowait()
+    publisher.watched(heard_job)
+    publisher._ship([reset, publisher._queue.get_nowait()])  # the failure is logged, not raised
+    assert publisher.merge_seconds(heard_job) == 0.0
+
+
 def test_a_jobs_end_is_heard_on_its_end_channel_by_waiters_who_are_not_hearers(
     publisher: StreamPublisher, stores: Stores
 ) -> None:

@@ -204,3 +204,25 @@ def test_a_job_nobody_watches_stores_every_token_of_its_merged_updates(stack: St
     ]
     assert choice_b["message"]["content"] == choice_a["message"]["content"] == text_of(live)
     assert text_of(replay) == choice_b["message"]["content"]
+
+
+def test_a_job_streamed_after_its_submit_comes_token_by_token_not_at_the_quiet_interval(
+    stack: Stack,
+) -> None:
+    """A job submitted without `stream: true` asks vLLM for an update every
+    `LLMQ_QUIET_STREAM_INTERVAL` tokens (16); a client that streams it brings it back to every
+    other token from the next steps on (worker/vllm_engine.py's `hasten`), so its chunks come
+    at the live cadence of 8 tokens. Left at 16, its 600 tokens would come in at most 39
+    chunks; every token is there either way."""
+    job_id = submit(stack, max_tokens=600, ignore_eos=True, temperature=0, logprobs=True)
+    with stack.client() as c:
+        evts = read_all(c, f"/v2/jobs/{job_id}/stream")
+        job = wait_for(c, [job_id])[job_id]
+    sizes = [
+        len(e.json["choices"][0]["logprobs"]["content"])
+        for e in evts
+        if not e.done and e.json.get("choices") and e.json["choices"][0].get("logprobs")
+    ]
+    assert sum(sizes) == job["usage"]["completion_tokens"] == 600
+    assert len(sizes) >= 60, sizes
+    assert text_of(evts) == job["response"]["choices"][0]["message"]["content"]

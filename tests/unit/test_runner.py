@@ -647,3 +647,65 @@ def test_a_merge_pause_ends_before_the_job_would_reach_its_limit() -> None:
     assert outcome.merge_pause(0.1, 106) == pytest.approx(0.04)  # 5 tokens: 80 % of 0.05 s
     assert outcome.merge_pause(0.1, 101) == 0.0  # at its limit: take the last update at once
     assert outcome.merge_pause(0.1, None) == 0.1  # no limit known
+
+
+class IntervalsRecorded(InstantEngine):
+    """Records each request's `stream_interval` and each `hasten`, with the thread it ran on."""
+
+    def __init__(self, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(**kwargs)
+        self.intervals: dict[str, int | None] = {}
+        self.hastened: list[tuple[str, str]] = []
+
+    async def generate(self, spec):  # type: ignore[no-untyped-def]
+        self.intervals[spec.request_id] = spec.sampling.get("stream_interval")
+        async for update in InstantEngine.generate(self, spec):
+            yield update
+
+    def hasten(self, request_id: str) -> None:
+        self.hastened.append((request_id, threading.current_thread().name))
+
+
+def test_a_job_not_submitted_as_a_stream_runs_at_the_quiet_interval_until_somebody_streams_it(
+    loop: LoopThread,
+) -> None:
+    store, streams = FakeStore(), FakeStreams()
+    store.add("job_quiet", body(max_tokens=200))
+    store.add("job_streamed", body(max_tokens=3, stream=True))
+    engine = IntervalsRecorded(delay=0.005)
+    runner = fake_runner(store, loop, engine=engine, streams=streams, quiet_stream_interval=16)
+    done = threading.Thread(target=runner.run, args=("job_quiet",))
+    done.start()
+    wait_until(lambda: "job_quiet-1" in engine.intervals)
+    runner.hasten("job_quiet")  # the stream publisher's thread, in the worker
+    runner.hasten("job_elsewhere")  # not running here: nothing to do
+    wait_until(lambda: engine.hastened)
+    done.join(10)
+    assert store.jobs["job_quiet"]["status"] == "succeeded"
+    assert store.jobs["job_quiet"]["usage"]["completion_tokens"] == 200
+    assert engine.hastened == [("job_quiet-1", "llmq-engine-loop")]
+    assert runner.run("job_streamed") == "succeeded"
+    assert engine.intervals == {"job_quiet-1": 16, "job_streamed-1": None}
+    # Off (1): every token, as vLLM gives by default.
+    store.add("job_plain", body(max_tokens=3))
+    assert fake_runner(store, loop, engine=engine, streams=streams).run("job_plain") == "succeeded"
+    assert engine.intervals["job_plain-1"] is None
+
+
+def test_a_job_streamed_while_its_updates_merge_is_woken_at_once(loop: LoopThread) -> None:
+    """The runner of a job nobody watches leaves the engine's updates merging for a while;
+    a client who comes to stream it (`hasten`) ends that wait at once, so the first live
+    event is a step away rather than the rest of the merge."""
+    store, streams = FakeStore(), QuietStreams(3.0)
+    store.add("job_1", body(max_tokens=40))
+    engine = MergingEngine(delay=0.002)
+    runner = make_runner(loop, engine, store, streams)
+    done = threading.Thread(target=runner.run, args=("job_1",))
+    started = time.monotonic()
+    done.start()
+    wait_until(lambda: engine.taken >= 1)  # the first token, then a 3 s merge
+    time.sleep(0.1)
+    runner.hasten("job_1")
+    done.join(10)
+    assert time.monotonic() - started < 1.5  # not the 3 s merge
+    assert store.jobs["job_1"]["usage"]["completion_tokens"] == 40

@@ -128,3 +128,31 @@ def test_echo_prefix_only_for_a_final_assistant_message() -> None:
     assert echo_prefix(ChatCompletionV2Request.model_validate(body)) == "Hello, I am"
     body["messages"] = body["messages"][:1]
     assert echo_prefix(ChatCompletionV2Request.model_validate(body)) == ""
+
+
+def test_a_request_not_streamed_asks_the_engine_for_updates_at_the_quiet_interval() -> None:
+    def sampling(fields: dict, interval: int) -> dict:
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
+        spec = translate(
+            body,
+            request_id="r",
+            kind="chat",
+            renderer=FixedRenderer(10),
+            max_model_len=100,
+            quiet_interval=interval,
+        ).spec
+        return spec.sampling
+
+    assert sampling({}, 16)["stream_interval"] == 16
+    assert sampling({"stream": False}, 16)["stream_interval"] == 16
+    assert "stream_interval" not in sampling({"stream": True}, 16)  # read as it comes
+    assert "stream_interval" not in sampling({}, 1)  # vLLM's default: every token
+    text = translate(
+        {"model": "m", "prompt": [1, 2, 3]},
+        request_id="r",
+        kind="completion",
+        renderer=FixedRenderer(10),
+        max_model_len=100,
+        quiet_interval=8,
+    )
+    assert text.spec.sampling["stream_interval"] == 8
