@@ -30,9 +30,10 @@ synchronous answer) takes every step, so its end is answered as it comes.
 
 A job not submitted with `stream: true` also reaches the worker in updates of
 `LLMQ_QUIET_STREAM_INTERVAL` tokens (vLLM's `stream_interval`: its per-step output is most
-of what a job costs the worker beyond the engine); the first time an announcement of it is
-heard or it is watched, `on_heard` (the runner's `hasten`) has the engine give it every
-other token from then on.
+of what a job costs the worker beyond the engine); when an announcement of it is heard or
+it is watched (the first time, and again after one went unheard), `on_heard` (the runner's
+`hasten`) has the engine give it every other token from then on and ends the runner's merge
+wait.
 
 Such a job's later events are also gathered: the shipping thread holds one for up to
 `quiet_gather_seconds`, so that what every quiet job flushes meanwhile goes in the same
@@ -125,8 +126,9 @@ class StreamPublisher:
         # one flush).
         self._unheard: set[str] = set()
         self._awaited: set[str] = set()
-        # Running jobs somebody has streamed (an announcement heard, or `llmq:watch`), each
-        # told once to `on_heard` (the runner's `hasten`), on this thread.
+        # Running jobs somebody streams (an announcement heard, or `llmq:watch`), each told
+        # to `on_heard` (the runner's `hasten`) as it comes to be, on this thread: once, and
+        # again after an announcement of it went unheard.
         self._heard: set[str] = set()
         self.on_heard: Callable[[str], None] | None = None
         self._max_len = str(max_len).encode()
@@ -296,6 +298,7 @@ class StreamPublisher:
                     running = job_id in self._history and not final
                     if running and heard == 1:
                         self._unheard.add(job_id)
+                        self._heard.discard(job_id)  # a client who comes back is told again
                     else:
                         self._unheard.discard(job_id)
                     if running and heard > 1 and job_id not in self._heard:

@@ -139,10 +139,11 @@ def test_a_watch_is_applied_after_the_appends_shipped_with_it(stores: Stores) ->
     assert publisher._queue.empty()
 
 
-def test_a_job_is_told_heard_once_per_attempt_when_heard_or_watched(stores: Stores) -> None:
+def test_a_job_is_told_heard_when_heard_or_watched_once_until_it_goes_unheard(stores: Stores) -> None:
     """`on_heard` (the runner's `hasten`, which brings a job's engine updates back to every
     other token) is told each running job the first time an announcement of it is heard or
-    it is watched, once per attempt; never for one nobody heard, nor for one not running here."""
+    it is watched, once per attempt, and again when a client comes back after an
+    announcement went unheard; never for one nobody heard, nor for one not running here."""
     r = redis.Redis.from_url(stores.redis_url)
     publisher = StreamPublisher(r)  # its thread not started: _ship runs here
     told: list[str] = []
@@ -154,7 +155,15 @@ def test_a_job_is_told_heard_once_per_attempt_when_heard_or_watched(stores: Stor
     publisher._ship([(heard_job, {"id": "1-1", "type": "chunk", "data": {}}, False)])
     assert told == []  # nobody heard it
     sub = r.pubsub(ignore_subscribe_messages=True)
+
+    def subscribers(n: int) -> None:
+        deadline = time.monotonic() + 5
+        while r.pubsub_numsub(job_channel(heard_job))[0][1] != n:
+            assert time.monotonic() < deadline, "the subscription did not change"
+            time.sleep(0.005)
+
     sub.subscribe(job_channel(heard_job))
+    subscribers(1)
     try:
         for seq in (2, 3):
             publisher._ship([(heard_job, {"id": f"1-{seq}", "type": "chunk", "data": {}}, False)])
@@ -165,11 +174,21 @@ def test_a_job_is_told_heard_once_per_attempt_when_heard_or_watched(stores: Stor
         assert told == [heard_job, watched_job]
         publisher.watched("job_run_elsewhere")
         assert publisher._queue.empty()
+        # The client leaves (an announcement nobody hears) and comes back: told again.
+        sub.unsubscribe()
+        subscribers(0)
+        publisher._ship([(heard_job, {"id": "1-4", "type": "chunk", "data": {}}, False)])
+        assert told == [heard_job, watched_job]
+        sub.subscribe(job_channel(heard_job))
+        subscribers(1)
+        for seq in (5, 6):
+            publisher._ship([(heard_job, {"id": f"1-{seq}", "type": "chunk", "data": {}}, False)])
+        assert told == [heard_job, watched_job, heard_job]
         # A new attempt is a new engine request: heard again, told again.
         publisher.open(heard_job, 2, header)  # type: ignore[arg-type]
         publisher._queue.get_nowait()  # its log's reset
         publisher._ship([(heard_job, {"id": "2-1", "type": "chunk", "data": {}}, False)])
-        assert told == [heard_job, watched_job, heard_job]
+        assert told == [heard_job, watched_job, heard_job, heard_job]
     finally:
         sub.close()
 
