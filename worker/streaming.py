@@ -259,10 +259,7 @@ class StreamPublisher:
         # those shipped with or after them are heard.
         self._unheard.difference_update(watched)
         with self._lock:
-            for job_id in watched:
-                if job_id in self._history and job_id not in self._heard:
-                    self._heard.add(job_id)
-                    heard.append(job_id)
+            heard.extend(job_id for job_id in watched if self._newly_heard(job_id))
         if heard and self.on_heard is not None:
             for job_id in heard:
                 try:
@@ -270,8 +267,16 @@ class StreamPublisher:
                 except Exception:  # a stream's cadence is not worth this thread
                     log.exception("could not hasten a streamed job", extra={"job_id": job_id})
 
+    def _newly_heard(self, job_id: str) -> bool:
+        """Whether somebody streaming the running `job_id` is news for `on_heard` (marked
+        told). Under `_lock`."""
+        if job_id not in self._history or job_id in self._heard:
+            return False
+        self._heard.add(job_id)
+        return True
+
     def _append(self, batch: list[tuple[str, dict[str, Any], bool]]) -> list[str]:
-        """Ship the batch; the running jobs heard for the first time."""
+        """Ship the batch; the running jobs newly heard (`_newly_heard`)."""
         appended = [(job_id, final) for job_id, event, final in batch if not event.get("reset")]
         results = self._send(batch)
         if any(isinstance(r, NoScriptError) for r in results):
@@ -282,7 +287,7 @@ class StreamPublisher:
             results = self._send(batch)
         outcomes = [r for (_, event, _), r in zip(batch, results, strict=True) if not event.get("reset")]
         lost: set[str] = set()
-        first_heard: list[str] = []
+        newly_heard: list[str] = []
         for (job_id, final), result in zip(appended, outcomes, strict=True):
             if isinstance(result, ResponseError):
                 # An id at or below the stream's last one: this attempt was superseded (a
@@ -301,9 +306,8 @@ class StreamPublisher:
                         self._heard.discard(job_id)  # a client who comes back is told again
                     else:
                         self._unheard.discard(job_id)
-                    if running and heard > 1 and job_id not in self._heard:
-                        self._heard.add(job_id)
-                        first_heard.append(job_id)
+                    if running and heard > 1 and self._newly_heard(job_id):
+                        newly_heard.append(job_id)
                     if running and awaited:
                         self._awaited.add(job_id)
                     else:
@@ -318,7 +322,7 @@ class StreamPublisher:
                     self._unheard.discard(job_id)
                     self._awaited.discard(job_id)
                     self._heard.discard(job_id)
-        return first_heard
+        return newly_heard
 
     def _send(self, batch: list[tuple[str, dict[str, Any], bool]]) -> list[Any]:
         """The batch's commands in one round trip; their results, errors included. The

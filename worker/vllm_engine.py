@@ -144,8 +144,7 @@ class VllmEngine:
             ):
                 if first:
                     first = False
-                    if spec.request_id in self._hasten_later:
-                        self._hasten_later.discard(spec.request_id)
+                    if spec.request_id in self._hasten_later:  # forgotten as this ends
                         self._lower_interval(spec.request_id)
                 yield EngineUpdate(
                     deltas=[_delta(o, top, token_bytes) for o in out.outputs],
