@@ -495,3 +495,16 @@ def next_message(pubsub: redis.client.PubSub, timeout: float) -> dict[str, Any] 
         if message is not None:
             return message  # type: ignore[no-any-return]
     return None
+
+
+def subscribers(r: redis.Redis, channel: str) -> int:
+    """How many clients are subscribed to `channel` now (`PUBSUB NUMSUB`)."""
+    return int(r.pubsub_numsub(channel)[0][1])
+
+
+def wait_subscribers(r: redis.Redis, channel: str, n: int, timeout: float = 5) -> None:
+    """Wait until `channel` has exactly `n` subscribers; fail the test after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while (count := subscribers(r, channel)) != n:
+        assert time.monotonic() < deadline, f"{channel} has {count} subscribers, not {n}"
+        time.sleep(0.005)

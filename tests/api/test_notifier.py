@@ -18,7 +18,7 @@ import redis
 from app import connections
 from app.events import job_channel, notification
 from app.services.notifier import Notifier
-from tests.helpers import Stores
+from tests.helpers import Stores, next_message, wait_subscribers
 
 # Far longer than any subscription takes: a watcher that waited for the poll would show.
 POLL_SECONDS = 3.0
@@ -195,14 +195,9 @@ def test_pubsub_messages_come_as_read_without_redis_pys_push_logging(
     sub = connections.pubsub(client, ignore_subscribe_messages=True)
     try:
         sub.subscribe(channel)
-        deadline = time.monotonic() + 5
-        while not client.pubsub_numsub(channel)[0][1]:
-            assert time.monotonic() < deadline
-            sub.get_message(timeout=0.05)  # the confirmation, skipped
+        wait_subscribers(client, channel, 1)
         client.publish(channel, b'{"id": "1-1"}\n1-1')
-        message = None
-        while message is None and time.monotonic() < deadline:
-            message = sub.get_message(timeout=0.5)
+        message = next_message(sub, 5)
     finally:
         sub.close()
         client.close()

@@ -24,7 +24,7 @@ from app.events import (
     job_channel,
     job_stream,
 )
-from tests.helpers import Stores, next_message
+from tests.helpers import Stores, next_message, wait_subscribers
 from worker.control import SignalListener
 from worker.streaming import StreamPublisher
 
@@ -156,14 +156,8 @@ def test_a_job_is_told_heard_when_heard_or_watched_once_until_it_goes_unheard(st
     assert told == []  # nobody heard it
     sub = r.pubsub(ignore_subscribe_messages=True)
 
-    def subscribers(n: int) -> None:
-        deadline = time.monotonic() + 5
-        while r.pubsub_numsub(job_channel(heard_job))[0][1] != n:
-            assert time.monotonic() < deadline, "the subscription did not change"
-            time.sleep(0.005)
-
     sub.subscribe(job_channel(heard_job))
-    subscribers(1)
+    wait_subscribers(r, job_channel(heard_job), 1)
     try:
         for seq in (2, 3):
             publisher._ship([(heard_job, {"id": f"1-{seq}", "type": "chunk", "data": {}}, False)])
@@ -176,11 +170,11 @@ def test_a_job_is_told_heard_when_heard_or_watched_once_until_it_goes_unheard(st
         assert publisher._queue.empty()
         # The client leaves (an announcement nobody hears) and comes back: told again.
         sub.unsubscribe()
-        subscribers(0)
+        wait_subscribers(r, job_channel(heard_job), 0)
         publisher._ship([(heard_job, {"id": "1-4", "type": "chunk", "data": {}}, False)])
         assert told == [heard_job, watched_job]
         sub.subscribe(job_channel(heard_job))
-        subscribers(1)
+        wait_subscribers(r, job_channel(heard_job), 1)
         for seq in (5, 6):
             publisher._ship([(heard_job, {"id": f"1-{seq}", "type": "chunk", "data": {}}, False)])
         assert told == [heard_job, watched_job, heard_job]

@@ -26,7 +26,7 @@ from app.events import WATCH_CHANNEL, end_channel, job_channel, job_stream, noti
 from app.services.feeds import JobFeed
 from app.services.sse import HEARTBEAT, frame, frames_of
 from app.services.streaming import PIECE_CHARS, StreamService
-from tests.helpers import Stores, auth, jsonl, line, make_settings, next_message, upload
+from tests.helpers import Stores, auth, jsonl, line, make_settings, next_message, subscribers, upload
 
 DONE = "data: [DONE]\n\n"
 
@@ -400,10 +400,6 @@ def chat_response() -> dict[str, Any]:
         ],
         "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3},
     }
-
-
-def subscribers(r: redis.Redis, channel: str) -> int:
-    return int(dict(r.pubsub_numsub(channel)).get(channel.encode(), 0))
 
 
 def test_revoked_key_ends_a_sync_wait(quick_app: Flask, quick: Services) -> None:
