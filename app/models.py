@@ -42,6 +42,9 @@ NAMING_CONVENTION = {
 # text in the index below and in the queries that use it, so the planner matches them.
 JOB_ENDED_AT = "GREATEST(succeeded_at, failed_at, cancelled_at, expired_at)"
 TERMINAL_STATUSES = "('succeeded','failed','cancelled','expired')"
+# The size up to which Postgres keeps a jobs row whole in its page, uncompressed: the most
+# that lets two rows share an 8 KB page (Postgres's default, 2032, lets four).
+TOAST_TUPLE_TARGET = 4080
 
 
 class Base(DeclarativeBase):
@@ -160,6 +163,10 @@ class Job(Base):
             literal_column(JOB_ENDED_AT).label("ended_at"),
             postgresql_where=text(f"status IN {TERMINAL_STATUSES}"),
         ),
+        # A finished row of up to about 4 KB (a short completion's response and events)
+        # stays whole in its page: past Postgres's default of 2 KB each result write tried
+        # to compress it and moved its events to the TOAST table and its index (0023).
+        {"postgresql_with": {"toast_tuple_target": TOAST_TUPLE_TARGET}},
     )
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)

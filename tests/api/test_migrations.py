@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import base64
+import json
+import os
 import secrets
+from typing import Any
 
 import psycopg
 from alembic import command
@@ -38,3 +42,43 @@ def test_upgrade_downgrade_upgrade_on_an_empty_database(stores: Stores) -> None:
     finally:
         with psycopg.connect(admin, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def test_a_finished_row_of_3_kb_stays_whole_in_its_page(stores: Stores) -> None:
+    """A short completion's row (its response and events about 2-4 KB) is written whole into
+    the heap (migration 0023): past Postgres's default target of 2032 bytes its events went
+    to the TOAST relation, a second write for every finished batch line. The events here are
+    random text that compression cannot shrink, so only the target keeps them inline; a row
+    past 4080 bytes is still moved out as before."""
+    suffix = secrets.token_hex(4)
+    tenant, job, big_job = f"toast-{suffix}", f"job_toast_{suffix}", f"job_toast_big_{suffix}"
+
+    def events(chars: int) -> str:
+        text = base64.b64encode(os.urandom(chars * 3 // 4)).decode()
+        return json.dumps([{"id": "1-1", "type": "chunk", "data": text}])
+
+    with psycopg.connect(stores.database_url, autocommit=True) as conn:
+
+        def one(sql: str, params: tuple[str, ...] = ()) -> Any:
+            row = conn.execute(sql, params).fetchone()  # type: ignore[arg-type]
+            assert row is not None
+            return row[0]
+
+        toast = one("SELECT reltoastrelid::regclass::text FROM pg_class WHERE relname = 'jobs'")
+
+        def toasted() -> int:
+            return int(one(f"SELECT count(*) FROM {toast}"))
+
+        conn.execute("INSERT INTO tenants (id, name) VALUES (%s, %s)", (tenant, tenant))
+        try:
+            for job_id in (job, big_job):
+                insert = "INSERT INTO jobs (id, tenant_id, model, request) VALUES (%s, %s, 'm', '{}')"
+                conn.execute(insert, (job_id, tenant))
+            before = toasted()
+            conn.execute("UPDATE jobs SET events = %s WHERE id = %s", (events(2_800), job))
+            assert one("SELECT pg_column_size(j.*) FROM jobs j WHERE id = %s", (job,)) > 2_032
+            assert toasted() == before, "a 3 KB row's events went to the TOAST relation"
+            conn.execute("UPDATE jobs SET events = %s WHERE id = %s", (events(6_000), big_job))
+            assert toasted() > before, "a 6 KB row should still be moved out of its page"
+        finally:
+            conn.execute("DELETE FROM tenants WHERE id = %s", (tenant,))
