@@ -95,8 +95,23 @@ class Job(Base):
             "status IN ('queued','running','succeeded','failed','cancelled','expired')",
             name="status_valid",
         ),
-        UniqueConstraint("tenant_id", "idempotency_key", name="uq_jobs_tenant_idempotency"),
-        UniqueConstraint("batch_id", "line_no", name="uq_jobs_batch_line"),
+        # Unique over the rows they constrain only (migration 0024): a job without an
+        # idempotency key, or not a batch line, has no entry to write in them at each of
+        # its writes (NULLs never conflict in a unique index anyway).
+        Index(
+            "uq_jobs_tenant_idempotency",
+            "tenant_id",
+            "idempotency_key",
+            unique=True,
+            postgresql_where=text("idempotency_key IS NOT NULL"),
+        ),
+        Index(
+            "uq_jobs_batch_line",
+            "batch_id",
+            "line_no",
+            unique=True,
+            postgresql_where=text("batch_id IS NOT NULL"),
+        ),
         Index("ix_jobs_tenant_id_id", "tenant_id", "id"),
         Index(
             "ix_jobs_active",

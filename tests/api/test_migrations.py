@@ -9,6 +9,7 @@ import secrets
 from typing import Any
 
 import psycopg
+import pytest
 from alembic import command
 from alembic.config import Config
 
@@ -80,5 +81,43 @@ def test_a_finished_row_of_3_kb_stays_whole_in_its_page(stores: Stores) -> None:
             assert toasted() == before, "a 3 KB row's events went to the TOAST relation"
             conn.execute("UPDATE jobs SET events = %s WHERE id = %s", (events(6_000), big_job))
             assert toasted() > before, "a 6 KB row should still be moved out of its page"
+        finally:
+            conn.execute("DELETE FROM tenants WHERE id = %s", (tenant,))
+
+
+def test_the_jobs_unique_indexes_hold_only_the_rows_they_constrain(stores: Stores) -> None:
+    """(tenant, idempotency key) and (batch, line number) stay unique where both are set,
+    and rows without them (most jobs have no idempotency key; a single job is no batch
+    line) have no entry to write in either (migration 0024)."""
+    suffix = secrets.token_hex(4)
+    tenant = f"uq-{suffix}"
+    insert = (
+        "INSERT INTO jobs (id, tenant_id, model, request, idempotency_key, batch_id, line_no) "
+        "VALUES (%s, %s, 'm', '{}', %s, %s, %s)"
+    )
+    with psycopg.connect(stores.database_url, autocommit=True) as conn:
+        conn.execute("INSERT INTO tenants (id, name) VALUES (%s, %s)", (tenant, tenant))
+        try:
+            for i in range(3):  # neither value: any number of them
+                conn.execute(insert, (f"job_plain_{suffix}_{i}", tenant, None, None, None))
+            conn.execute(insert, (f"job_key_{suffix}", tenant, "k", None, None))
+            conn.execute(insert, (f"job_line_{suffix}", tenant, None, f"batch_{suffix}", 0))
+            for job_id, key, batch in (
+                (f"job_key2_{suffix}", "k", None),
+                (f"job_line2_{suffix}", None, f"batch_{suffix}"),
+            ):
+                with pytest.raises(psycopg.errors.UniqueViolation):
+                    conn.execute(insert, (job_id, tenant, key, batch, 0 if batch else None))
+            predicates = dict(
+                conn.execute(
+                    "SELECT c.relname, pg_get_expr(i.indpred, i.indrelid) FROM pg_index i "
+                    "JOIN pg_class c ON c.oid = i.indexrelid "
+                    "WHERE c.relname IN ('uq_jobs_tenant_idempotency', 'uq_jobs_batch_line')"
+                ).fetchall()
+            )
+            assert predicates == {
+                "uq_jobs_tenant_idempotency": "(idempotency_key IS NOT NULL)",
+                "uq_jobs_batch_line": "(batch_id IS NOT NULL)",
+            }
         finally:
             conn.execute("DELETE FROM tenants WHERE id = %s", (tenant,))
