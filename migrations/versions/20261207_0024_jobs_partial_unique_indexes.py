@@ -41,9 +41,10 @@ UNIQUES = (
 def upgrade() -> None:
     with op.get_context().autocommit_block():
         for name, columns, column in UNIQUES:
+            # A build cut short leaves an invalid index behind: built again, never renamed in.
+            op.execute(f"DROP INDEX CONCURRENTLY IF EXISTS {name}_set")
             op.execute(
-                f"CREATE UNIQUE INDEX CONCURRENTLY IF NOT EXISTS {name}_set ON jobs ({columns}) "
-                f"WHERE {column} IS NOT NULL"
+                f"CREATE UNIQUE INDEX CONCURRENTLY {name}_set ON jobs ({columns}) WHERE {column} IS NOT NULL"
             )
     for name, _, _ in UNIQUES:
         op.execute(f"ALTER TABLE jobs DROP CONSTRAINT {name}")
@@ -53,7 +54,8 @@ def upgrade() -> None:
 def downgrade() -> None:
     with op.get_context().autocommit_block():
         for name, columns, _ in UNIQUES:
-            op.execute(f"CREATE UNIQUE INDEX CONCURRENTLY IF NOT EXISTS {name}_all ON jobs ({columns})")
+            op.execute(f"DROP INDEX CONCURRENTLY IF EXISTS {name}_all")
+            op.execute(f"CREATE UNIQUE INDEX CONCURRENTLY {name}_all ON jobs ({columns})")
     for name, _, _ in UNIQUES:
         op.execute(f"DROP INDEX {name}")
         op.execute(f"ALTER TABLE jobs ADD CONSTRAINT {name} UNIQUE USING INDEX {name}_all")
