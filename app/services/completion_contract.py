@@ -153,13 +153,15 @@ class CompletionPolicy:
         if count is not None:
             completion_budget(req, count(req), model.max_model_len)
 
-    def budget_tokens(self, req: CompletionRequest, memo: CounterMemo | None = None) -> int:
+    def budget_tokens(
+        self, req: CompletionRequest, memo: CounterMemo | None = None, *, exact: bool = True
+    ) -> int:
         """A batch line's figure against the batch token budget (app/domain/budget.py's
-        `line_tokens`): the model's own prompt count when this API has its tokenizer, else
-        the estimate. `memo`: one upload's lookups (`model_and_counter`)."""
+        `line_tokens`): the model's own prompt count when `exact` and this API has its
+        tokenizer, else the estimate. `memo`: one upload's lookups (`model_and_counter`)."""
         model, count = model_and_counter(self._models, req.model, memo)
         prompt: int | None = None
-        if count is not None:
+        if exact and count is not None:
             try:
                 prompt = count(req)
             except LlmqError:

@@ -365,14 +365,16 @@ class RequestPolicy:
                     param=f"{param}.type",
                 )
 
-    def budget_tokens(self, req: ChatCompletionV2Request, memo: CounterMemo | None = None) -> int:
+    def budget_tokens(
+        self, req: ChatCompletionV2Request, memo: CounterMemo | None = None, *, exact: bool = True
+    ) -> int:
         """A batch line's figure against the batch token budget (app/domain/budget.py's
-        `line_tokens`), with the model's own prompt count when this API has its tokenizer
-        and the line brings no template of its own, else the estimate. `memo`: one upload's
-        lookups (`model_and_counter`)."""
+        `line_tokens`), with the model's own prompt count when `exact`, this API has the
+        model's tokenizer and the line brings no template of its own, else the estimate.
+        `memo`: one upload's lookups (`model_and_counter`)."""
         model, count = model_and_counter(self._models, req.model, memo)
         prompt: int | None = None
-        if count is not None and req.chat_template is None:
+        if exact and count is not None and req.chat_template is None:
             try:
                 prompt = count(req)
             except LlmqError:

@@ -364,6 +364,35 @@ def test_a_batch_whose_input_expired_cannot_be_retried(
 # --- token budgets ----------------------------------------------------------------------
 
 
+def test_an_upload_counts_prompts_with_the_tokenizer_only_under_a_budget(
+    client: FlaskClient, services: Services, tenant, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Counting each line with the model's tokenizer is most of an upload's time: it is done
+    only while the tenant has a batch token budget; without one a line's figure is the
+    estimate from its bytes."""
+    name, key = tenant
+    counted: list[str] = []
+
+    def count(model: Any) -> Any:
+        return lambda r: counted.append(r.model) or 7
+
+    monkeypatch.setattr(services.models, "prompt_counter", count)
+    lines = [line(i, max_tokens=100) for i in range(1, 4)]
+
+    def figures() -> list[int]:
+        file_id = upload(client, key, jsonl(lines)).get_json()["id"]
+        with services.db.session() as s:
+            return list(
+                s.scalars(
+                    text("SELECT tokens FROM file_lines WHERE file_id = :f ORDER BY line_no"), {"f": file_id}
+                ).all()
+            )
+
+    assert all(100 < t < 130 for t in figures()) and counted == []  # no budget: estimated
+    services.keys.set_batch_token_budget(name, 1_000_000)
+    assert figures() == [107, 107, 107] and len(counted) == 3  # the model's own count
+
+
 def test_a_batch_over_the_token_budget_is_a_429_saying_what_is_free(
     client: FlaskClient, services: Services, tenant
 ) -> None:

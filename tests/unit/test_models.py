@@ -10,11 +10,12 @@ from typing import Any
 
 import pytest
 
-from app.domain.budget import completion_budget
+from app.domain.budget import completion_budget, estimate_prompt_tokens
 from app.errors import InvalidRequest, NotFound
 from app.schemas.chat import ChatCompletionV2Request
 from app.services.contract import RequestPolicy
 from app.services.dispatch import dispatch_plan
+from app.services.files import LineChecker
 from app.services.models import ModelRegistry, ServedModel, declared_models, merge
 from app.services.tokenizers import PromptCounters
 from app.settings import Settings
@@ -142,6 +143,26 @@ def test_an_uploads_lines_look_their_model_and_tokenizer_up_once() -> None:
     assert lookups == ["a", "b"]
     policy.budget_tokens(req("a", max_tokens=3))  # without a memo: looked up again
     assert lookups == ["a", "b", "a"]
+
+
+def test_an_upload_counts_prompts_with_the_tokenizer_only_when_asked() -> None:
+    """A file uploaded while its tenant has no batch token budget takes the estimate for
+    each line (counting with the tokenizer is most of an upload's time); with one, the
+    model's own count."""
+    counted: list[str] = []
+
+    def counter(model: ServedModel) -> Callable[[Any], int]:
+        return lambda r: counted.append(r.model) or 7
+
+    policy = RequestPolicy(Settings(), ModelRegistry(lambda: [worker("a")], counters=counter))
+    body = {"model": "a", "messages": [{"role": "user", "content": "x" * 400}], "max_tokens": 3}
+    raw = json.dumps({"custom_id": "c1", "method": "POST", "url": "/v1/chat/completions", "body": body})
+    estimate = estimate_prompt_tokens(ChatCompletionV2Request.model_validate(body))
+    assert estimate > 7
+    assert LineChecker(policy, exact_tokens=False).check(1, raw.encode())[2] == estimate + 3
+    assert counted == []
+    assert LineChecker(policy, exact_tokens=True).check(1, raw.encode())[2] == 7 + 3
+    assert counted == ["a"]
 
 
 # --- tokenizers ---------------------------------------------------------------------------
