@@ -74,7 +74,7 @@ def main() -> None:
     def b4() -> list[dict[str, Any]]:
         from bench import b4_ingest
 
-        return [b4_ingest.run(2_000, big_lines=500) if a.quick else b4_ingest.run()]
+        return [b4_ingest.run(a.model, 2_000, big_lines=500) if a.quick else b4_ingest.run(a.model)]
 
     def b5() -> list[dict[str, Any]]:
         from bench import b5_stream
