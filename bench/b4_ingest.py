@@ -18,12 +18,12 @@ from typing import Any
 
 import psutil
 import psycopg
-from sqlalchemy import text
 
 from app.cli.client import LlmqClient
 from app.cli.stack import Stack
 from app.connections import ADMIN_POOL
 from app.db import Database, normalize_url
+from app.services.keys import KeyService
 from bench import cpu
 from bench.common import save, service, submit_all, wait_done
 
@@ -70,12 +70,11 @@ def baseline(path: Path, database_url: str) -> float:
 
 
 def set_budget(stack: Stack, tokens: int) -> None:
-    """The bench's tenant (its only one) gets a batch token budget, as `llmq tenants set
-    NAME --batch-token-budget` gives it."""
+    """The bench key's tenant gets a batch token budget, as `llmq tenants set NAME
+    --batch-token-budget` gives it (the same KeyService call)."""
     db = Database.from_url(stack.env["LLMQ_DATABASE_URL"], ADMIN_POOL)
     try:
-        with db.session() as s:
-            s.execute(text("UPDATE tenants SET batch_token_budget = :t"), {"t": tokens})  # the bench's one
+        KeyService(db).set_batch_token_budget(stack.settings.default_tenant, tokens)
     finally:
         db.dispose()
 
