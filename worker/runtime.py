@@ -39,7 +39,7 @@ from worker.leader import LeaseLock
 from worker.loop import LoopThread
 from worker.metrics import MetricsServer, WorkerMetrics, WorkerState
 from worker.runner import JobRunner, RunnerConfig
-from worker.stats import ResourceSampler, find_power_sensor
+from worker.stats import ProcessTree, ResourceSampler, find_power_sensor
 from worker.store import JobStore
 from worker.streaming import StreamPublisher
 from worker.sweeper import Sweeper
@@ -133,7 +133,10 @@ class WorkerRuntime:
         )
         self.queue = JobQueue(create_producer(settings), self.liveness)
         self.loop = LoopThread()
-        self.sampler = ResourceSampler(self._pids, find_power_sensor(self._pids))
+        # The worker's processes, found again every half minute (not each sample): their
+        # memory on CPU, and on GPU which of the device's processes are this worker's.
+        processes = ProcessTree(self._pids)
+        self.sampler = ResourceSampler(processes, find_power_sensor(processes.pids))
         self.metrics = WorkerMetrics(
             WorkerState(
                 model=settings.model_name,

@@ -12,7 +12,7 @@ from app.services.models import ModelRegistry, ServedModel
 from worker.engine import ByteRenderer, Engine, InstantEngine
 from worker.loop import LoopThread
 from worker.runner import JobRunner, RunnerConfig
-from worker.stats import ResourceSampler, self_pid
+from worker.stats import ProcessTree, ResourceSampler, self_pid
 from worker.store import Claim, Result
 from worker.translate import Renderer
 
@@ -194,7 +194,7 @@ def fake_runner(
         InstantEngine() if engine is None else engine,
         loop,
         ByteRenderer() if renderer is None else renderer,
-        ResourceSampler(self_pid, None),
+        ResourceSampler(ProcessTree(self_pid), None),
         FakeStreams() if streams is None else streams,
         RunnerConfig(
             name,

@@ -2,7 +2,10 @@ from __future__ import annotations
 
 import itertools
 import os
+import subprocess
+import sys
 
+import psutil
 import pytest
 
 from worker.stats import ProcessTree, ResourceSampler, Sample, generation_stats, power_usage
@@ -65,7 +68,7 @@ class FakeSensor:
 
 
 def test_sampler_window_uses_sensor_readings() -> None:
-    sampler = ResourceSampler(lambda: [os.getpid()], FakeSensor())
+    sampler = ResourceSampler(ProcessTree(lambda: [os.getpid()]), FakeSensor())
     first = sampler.sample()
     second = sampler.sample()
     window = sampler.window(first.t, second.t)
@@ -78,26 +81,61 @@ def test_rss_of_this_process_is_counted() -> None:
 
 
 def test_short_job_gets_the_latest_sample() -> None:
-    sampler = ResourceSampler(lambda: [os.getpid()], FakeSensor())
+    sampler = ResourceSampler(ProcessTree(lambda: [os.getpid()]), FakeSensor())
     latest = sampler.sample()
     assert sampler.window(latest.t + 1, latest.t + 2) == [latest]
 
 
 def test_sampler_integrates_each_devices_energy() -> None:
     """The worker's `llmq_device_energy_joules_total`: trapezoids between samples."""
-    sampler = ResourceSampler(lambda: [os.getpid()], FakeSensor())
+    sampler = ResourceSampler(ProcessTree(lambda: [os.getpid()]), FakeSensor())
     assert sampler.energy_joules() == {}
     samples = [sampler.sample() for _ in range(3)]
     expected = sum(
         (b.t - a.t) * (a.watts["gpu0"] + b.watts["gpu0"]) / 2 for a, b in itertools.pairwise(samples)
     )
     assert sampler.energy_joules()["gpu0"] == pytest.approx(expected)
-    assert ResourceSampler(lambda: [os.getpid()], None).energy_joules() == {}
+    assert ResourceSampler(ProcessTree(lambda: [os.getpid()]), None).energy_joules() == {}
 
 
 def test_a_window_holds_exactly_the_samples_between_its_ends_in_time_order() -> None:
-    sampler = ResourceSampler(lambda: [os.getpid()], FakeSensor())
+    sampler = ResourceSampler(ProcessTree(lambda: [os.getpid()]), FakeSensor())
     samples = [sampler.sample() for _ in range(6)]
     assert sampler.window(samples[1].t, samples[4].t) == samples[1:5]
     assert sampler.window(samples[0].t, samples[0].t) == samples[:1]
     assert sampler.window(samples[5].t, samples[5].t + 10) == samples[5:]
+
+
+def test_the_process_tree_is_found_once_and_kept_until_a_process_is_gone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An idle worker's sampler scanned /proc for every root at every refresh (4 ms of CPU a
+    second here): one scan finds the worker's children, the roots it found are not scanned
+    again, and the list is kept between samples until one of its processes is gone."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    looks: list[int] = []
+    scans: list[int] = []
+    children = psutil.Process.children
+
+    def counted(self: psutil.Process, recursive: bool = False) -> list[psutil.Process]:
+        scans.append(self.pid)
+        return children(self, recursive=recursive)
+
+    monkeypatch.setattr(psutil.Process, "children", counted)
+
+    def roots() -> list[int]:
+        looks.append(1)
+        return [os.getpid(), child.pid]  # as the runtime's: the worker, then its engine's
+
+    try:
+        tree = ProcessTree(roots)
+        assert child.pid in tree.pids()
+        for _ in range(5):
+            assert tree.rss() > 10 * 2**20
+        assert (len(looks), scans) == (1, [os.getpid()])
+    finally:
+        child.kill()
+        child.wait()
+    tree.rss()  # the child's memory cannot be read: found again at the next look
+    assert child.pid not in tree.pids()
+    assert len(looks) == 2
