@@ -75,6 +75,20 @@ def test_lease_lock_has_one_holder_and_releases_only_its_own(r: Redis[bytes]) ->
     assert r.get("llmq:leader:sweeper") == b"w3"  # w2's release left w3's lock alone
 
 
+def test_a_turn_goes_to_the_first_to_ask_in_each_period(r: Redis[bytes]) -> None:
+    """A round the fleet needs once a period (the sweeper's look for gone workers): the
+    first worker to ask has it, the others (and the same worker again) not until the
+    period has passed."""
+    first = LeaseLock(r, "turns", "w1", lease_seconds=5)
+    second = LeaseLock(r, "turns", "w2", lease_seconds=5)
+    assert first.turn("look", 0.3)
+    assert not second.turn("look", 0.3) and not first.turn("look", 0.3)
+    assert second.turn("full", 0.3)  # each kind of round has turns of its own
+    time.sleep(0.35)
+    assert second.turn("look", 0.3)
+    assert not first.turn("look", 0.3)
+
+
 def test_lease_lock_expires_by_itself(r: Redis[bytes]) -> None:
     lock = LeaseLock(r, "feeder", "w1", lease_seconds=5)
     with lock.hold() as mine:

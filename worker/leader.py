@@ -5,7 +5,10 @@ holder known to be dead (killed in the middle of a round: its presence lapsed) l
 sooner, to the first worker that asks after the holder has had it for `TAKEOVER_AFTER_MS`:
 the lease is long, and the batch feeder stalled for it would leave the dead worker's lines
 undispatched that long. The work done under it is safe to repeat; the mutex only avoids
-doing it twice."""
+doing it twice.
+
+A round the fleet needs once a period, not once a worker a period, asks for a `turn`: the
+first worker to ask in each period has it, and the others skip that round."""
 
 from __future__ import annotations
 
@@ -70,6 +73,16 @@ class LeaseLock:
             if got:
                 with contextlib.suppress(RedisError):  # the lease ends by itself
                     self._release(keys=[self._key], args=[self._owner])
+
+    def turn(self, what: str, seconds: float) -> bool:
+        """Whether this caller has `what`'s turn: the first worker of the fleet to ask in
+        each `seconds` does (a key set if absent, expiring after them). Without Redis, no
+        turn: the rounds it gates need Redis and the lock anyway."""
+        key = f"{self._key}:turn:{what}"
+        try:
+            return bool(self._redis.set(key, self._owner, nx=True, px=max(1, int(seconds * 1000))))
+        except RedisError:
+            return False
 
     def _get(self) -> bool:
         taken = self._acquire(keys=[self._key], args=[self._owner, self._lease_ms])

@@ -8,13 +8,14 @@ what each case gets, is app/liveness.py's table; this module keeps the loop and 
 
 A gone owner is looked for every `presence_check_seconds`, between full rounds, so its jobs
 run again within seconds rather than after their leases. Should the owner be alive after
-all (paused, its presence writes late), the new claim's epoch fences it off.
+all (paused, its presence writes late), the new claim's epoch fences it off. Each look and
+each full round is made by one worker of the fleet, the first to ask in its period
+(`LeaseLock.turn`): the others skip it.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -79,11 +80,10 @@ class Sweeper:
         self._max_attempts = max_attempts
         self._grace = grace_seconds
         self._interval = interval_seconds
-        self._due = time.monotonic() + interval_seconds
-        # A full round every interval; in between, a look for gone owners every few seconds.
-        self._periodic = Periodic(
-            "llmq-sweeper", min(interval_seconds, self._presence_check), self._tick, log=log
-        )
+        # A full round every interval; in between, a look for gone owners every few seconds:
+        # each by one worker of the fleet (`_tick`).
+        self._period = min(interval_seconds, self._presence_check)
+        self._periodic = Periodic("llmq-sweeper", self._period, self._tick, log=log)
 
     def sweep_once(self) -> SweepReport:
         report = SweepReport()
@@ -173,8 +173,13 @@ class Sweeper:
         return Observed(missing, idle, self._liveness.delivered_job_ids())
 
     def _tick(self) -> None:
-        if time.monotonic() >= self._due or self._gone_owners():
-            self._due = time.monotonic() + self._interval
+        # One worker of the fleet a round, the first to ask: with every worker asking
+        # Postgres each second which workers hold running jobs (about 2 ms of Postgres's time
+        # with 6,400 of them running), a fleet of 50 cost it 50 such queries a second, and
+        # each worker's own full round came once an interval per worker.
+        if not self._lock.turn("look", self._period):
+            return
+        if self._lock.turn("full", self._interval) or self._gone_owners():
             self.sweep_once()
 
     def start(self) -> None:

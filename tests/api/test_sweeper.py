@@ -180,6 +180,53 @@ def test_a_gone_worker_is_noticed_between_full_rounds(services) -> None:
     assert [lost] in [args for _, _, args in waiting(services)]
 
 
+def test_one_worker_of_the_fleet_looks_for_gone_workers_each_round(services) -> None:
+    """Every worker asked Postgres each round which workers hold running jobs (a fleet of
+    50: 50 such queries a second); the first to ask in each round's period does, the others
+    skip it, and a gone worker's job is still released by the fleet."""
+    prefix = f"w-{secrets.token_hex(3)}-"
+    (lost,) = queued(services, 1)
+    JobStore(services.db).claim_many([lost], f"{prefix}gone", 300, 3)
+    looks: list[str] = []
+
+    class Counted(JobStore):
+        def running_owners(self) -> list[str]:
+            looks.append("look")
+            return super().running_owners()
+
+    name = f"sweeper-fleet-{time.time()}"
+    fleet = [
+        Sweeper(
+            services.db,
+            Counted(services.db),
+            services.queue,
+            services.liveness,
+            services.events,
+            max_attempts=3,
+            grace_seconds=30,
+            interval_seconds=60,
+            lock=LeaseLock(services.redis, name, f"{prefix}w{i}", lease_seconds=5),
+            absent=among(services, prefix),
+            presence_check_seconds=0.2,
+        )
+        for i in range(4)
+    ]
+    for sweeping in fleet:
+        sweeping.start()
+    started = time.monotonic()
+    try:
+        while status(services, lost)[0] != "queued":
+            assert time.monotonic() - started < 5, "the gone worker's job was not released"
+            time.sleep(0.05)
+        looks.clear()
+        time.sleep(1.0)
+    finally:
+        for sweeping in fleet:
+            sweeping.stop()
+    # Four workers each looking every 0.2 s: about 20 looks in the second; one a period: 5.
+    assert 1 <= len(looks) <= 7, looks
+
+
 def test_right_after_a_redis_restart_no_worker_counts_as_gone(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A restarted Redis has lost every presence with its data: none lapsed. Until live
     workers have had the time to write theirs again, nobody's jobs are taken away."""
