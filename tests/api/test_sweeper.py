@@ -50,11 +50,20 @@ def take_message(services, job_id: str) -> str:  # type: ignore[no-untyped-def]
     raise AssertionError(f"no message for {job_id}")
 
 
-def sweeper(services, interval: float = 1, **presence: Any) -> Sweeper:  # type: ignore[no-untyped-def]
-    lock = LeaseLock(services.redis, f"sweeper-test-{time.time()}", "me", lease_seconds=5)
+def sweeper(  # type: ignore[no-untyped-def]
+    services,
+    interval: float = 1,
+    *,
+    store: JobStore | None = None,
+    lock: LeaseLock | None = None,
+    **presence: Any,
+) -> Sweeper:
+    """A sweeper of its own (a lock no other test's shares), or one worker's of a fleet
+    that shares `lock`'s name."""
+    lock = lock or LeaseLock(services.redis, f"sweeper-test-{time.time()}", "me", lease_seconds=5)
     return Sweeper(
         services.db,
-        JobStore(services.db),
+        store or JobStore(services.db),
         services.queue,
         services.liveness,
         services.events,
@@ -196,15 +205,10 @@ def test_one_worker_of_the_fleet_looks_for_gone_workers_each_round(services) -> 
 
     name = f"sweeper-fleet-{time.time()}"
     fleet = [
-        Sweeper(
-            services.db,
-            Counted(services.db),
-            services.queue,
-            services.liveness,
-            services.events,
-            max_attempts=3,
-            grace_seconds=30,
-            interval_seconds=60,
+        sweeper(
+            services,
+            interval=60,
+            store=Counted(services.db),
             lock=LeaseLock(services.redis, name, f"{prefix}w{i}", lease_seconds=5),
             absent=among(services, prefix),
             presence_check_seconds=0.2,
