@@ -336,6 +336,68 @@ def test_with_no_batch_active_a_round_is_one_probe_and_the_next_waits_the_idle_t
         assert scheduler.join(3)
 
 
+def test_idle_the_fleet_asks_whether_a_batch_is_active_once_an_idle_tick(r: Redis[bytes]) -> None:
+    """Each idle worker's feeder asked once an idle tick; the round now goes to the first
+    worker to ask in each idle tick, and the others skip it unless a wake-up ended their
+    pause (the next test)."""
+    from worker.batches import BatchScheduler
+
+    lifecycles = [CountingLifecycle() for _ in range(4)]
+    for lifecycle in lifecycles:
+        lifecycle.active = False
+    schedulers = [
+        BatchScheduler(
+            LeaseLock(r, "batches-fleet-test", f"w{i}", lease_seconds=5),
+            lifecycle,  # type: ignore[arg-type]
+            tick_seconds=0.05,
+            idle_tick_seconds=0.25,
+            redis=r,
+        )
+        for i, lifecycle in enumerate(lifecycles)
+    ]
+    for scheduler in schedulers:
+        scheduler.start()
+        time.sleep(0.06)  # workers' rounds at phases of their own, as in a fleet
+    try:
+        time.sleep(0.3)  # each worker's first round (not idle) has looked
+        before = sum(lifecycle.probes for lifecycle in lifecycles)
+        time.sleep(1.0)
+        # Four workers each asking every 0.25 s: about 16 in the second; one a tick: 4.
+        assert 1 <= sum(lifecycle.probes for lifecycle in lifecycles) - before <= 6
+    finally:
+        for scheduler in schedulers:
+            scheduler.stop()
+        for scheduler in schedulers:
+            assert scheduler.join(3)
+
+
+def test_an_idle_feeder_woken_looks_at_once_whoever_has_the_turn(r: Redis[bytes]) -> None:
+    from app.queue import wake_feeder
+    from worker.batches import BatchScheduler
+
+    lifecycle = CountingLifecycle()
+    lifecycle.active = False
+    lock = LeaseLock(r, "batches-wake-test", "w1", lease_seconds=5)
+    scheduler = BatchScheduler(lock, lifecycle, tick_seconds=0.05, idle_tick_seconds=5.0, redis=r)  # type: ignore[arg-type]
+    scheduler.start()
+    try:
+        deadline = time.monotonic() + 3
+        while lifecycle.probes < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        r.set("llmq:leader:batches-wake-test:turn:idle", "w2", px=30_000)  # another worker's turn
+        lifecycle.active = True
+        woken = time.monotonic()
+        wake_feeder(r)  # a batch created
+        deadline = time.monotonic() + 3
+        while not lifecycle.rounds and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert lifecycle.rounds and lifecycle.rounds[0] - woken < 1.0
+    finally:
+        scheduler.stop()
+        wake_feeder(r)
+        assert scheduler.join(3)
+
+
 def test_wake_ups_nobody_took_coalesce_into_one(r: Redis[bytes]) -> None:
     from app.queue import WAKE_KEY, wake_feeder
 

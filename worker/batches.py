@@ -63,9 +63,17 @@ class BatchScheduler:
         self._last_finalize = 0.0
         self._idle_tick = idle_tick_seconds or tick_seconds
         self._idle = False  # the last round held no lock or found no batch active
+        self._woken = False  # the pause before this round ended with a wake-up
 
     def tick(self) -> None:
         idle, self._idle = self._idle, True
+        woken, self._woken = self._woken, False
+        # Idle and not woken, the round looks only on the fleet's turn (one such round an
+        # idle tick, the first worker's to ask): each of a fleet's idle workers asked Postgres
+        # once an idle tick whether any batch is active. A batch created wakes a worker,
+        # whose round looks at once.
+        if idle and not woken and not self._lock.turn("idle", self._idle_tick):
+            return
         with self._lock.hold() as mine:
             if not mine:
                 return
@@ -95,7 +103,8 @@ class BatchScheduler:
         """Until a wake-up or `seconds` (the idle tick after an idle round; BLPOP takes
         fractions of a second since Redis 6)."""
         assert self._redis is not None
-        self._redis.blpop([WAKE_KEY], timeout=self._idle_tick if self._idle else seconds)
+        woken = self._redis.blpop([WAKE_KEY], timeout=self._idle_tick if self._idle else seconds)
+        self._woken = woken is not None
 
     def start(self) -> None:
         self._periodic.start()
