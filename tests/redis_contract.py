@@ -306,7 +306,8 @@ def test_batches_are_finalized_once_a_second_while_lines_are_owed_and_in_every_r
 def test_with_no_batch_active_a_round_is_one_probe_and_the_next_waits_the_idle_tick(r: Redis[bytes]) -> None:
     """Idle, a round asks whether any batch is active and stops there (no look for owed
     lines, no batch to end), and the next waits the idle tick, not the tick, unless a
-    wake-up (a batch created) comes first; then rounds feed at the tick again."""
+    wake-up (a batch created) comes first: that round looks at once, whoever has the idle
+    rounds' turn; then rounds feed at the tick again."""
     from app.queue import wake_feeder
     from worker.batches import BatchScheduler
 
@@ -321,6 +322,8 @@ def test_with_no_batch_active_a_round_is_one_probe_and_the_next_waits_the_idle_t
             time.sleep(0.01)
         time.sleep(0.5)  # ten ticks, well short of the idle tick
         assert lifecycle.probes == 1 and lifecycle.rounds == []
+        # Another worker has the idle rounds' turn: a round a wake-up began looks anyway.
+        r.set("llmq:leader:batches-idle-test:turn:idle", "w2", px=30_000)
         lifecycle.active = True
         woken = time.monotonic()
         wake_feeder(r)
@@ -339,7 +342,7 @@ def test_with_no_batch_active_a_round_is_one_probe_and_the_next_waits_the_idle_t
 def test_idle_the_fleet_asks_whether_a_batch_is_active_once_an_idle_tick(r: Redis[bytes]) -> None:
     """Each idle worker's feeder asked once an idle tick; the round now goes to the first
     worker to ask in each idle tick, and the others skip it unless a wake-up ended their
-    pause (the next test)."""
+    pause (the test above)."""
     from worker.batches import BatchScheduler
 
     lifecycles = [CountingLifecycle() for _ in range(4)]
@@ -369,33 +372,6 @@ def test_idle_the_fleet_asks_whether_a_batch_is_active_once_an_idle_tick(r: Redi
             scheduler.stop()
         for scheduler in schedulers:
             assert scheduler.join(3)
-
-
-def test_an_idle_feeder_woken_looks_at_once_whoever_has_the_turn(r: Redis[bytes]) -> None:
-    from app.queue import wake_feeder
-    from worker.batches import BatchScheduler
-
-    lifecycle = CountingLifecycle()
-    lifecycle.active = False
-    lock = LeaseLock(r, "batches-wake-test", "w1", lease_seconds=5)
-    scheduler = BatchScheduler(lock, lifecycle, tick_seconds=0.05, idle_tick_seconds=5.0, redis=r)  # type: ignore[arg-type]
-    scheduler.start()
-    try:
-        deadline = time.monotonic() + 3
-        while lifecycle.probes < 1 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        r.set("llmq:leader:batches-wake-test:turn:idle", "w2", px=30_000)  # another worker's turn
-        lifecycle.active = True
-        woken = time.monotonic()
-        wake_feeder(r)  # a batch created
-        deadline = time.monotonic() + 3
-        while not lifecycle.rounds and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert lifecycle.rounds and lifecycle.rounds[0] - woken < 1.0
-    finally:
-        scheduler.stop()
-        wake_feeder(r)
-        assert scheduler.join(3)
 
 
 def test_wake_ups_nobody_took_coalesce_into_one(r: Redis[bytes]) -> None:
