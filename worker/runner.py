@@ -27,6 +27,7 @@ from app.services.contract import ConstraintChecker
 from app.text_completions import prompt_entries, text_completion_id
 from worker.deltas import JobStream, StreamShape
 from worker.engine import Engine, EngineDead, EngineUpdate, PromptTooLong, RequestRejected
+from worker.gather import Gather
 from worker.loop import LoopThread
 from worker.metrics import JobFigures
 from worker.response import ChoiceState, build_completion, finalize
@@ -194,6 +195,10 @@ class JobRunner:
         # Set when the worker starts to drain: from then on nothing new is claimed, not even
         # by a task thread that was waiting for a slot the drain's aborts free.
         self._draining = threading.Event()
+        # The claims and result writes that task threads make at once go together, one
+        # statement each (worker/gather.py); a batch chunk's lines already do.
+        self._claims: Gather[str, list[Claim]] = Gather(self._claim_many, key=lambda job_id: job_id)
+        self._finishes: Gather[Result, set[str]] = Gather(store.finish_many, key=lambda r: r.job_id)
 
     # --- control from other threads -------------------------------------------------
 
@@ -291,17 +296,10 @@ class JobRunner:
                 self._slots.give(held - given)
 
     def _run_claimable(self, job_ids: list[str], give: Callable[[int], None]) -> dict[str, str | None]:
-        cfg = self._config
-        claims = self._persist(
-            lambda: self._store.claim_many(
-                job_ids,
-                cfg.worker_name,
-                cfg.lease_seconds,
-                cfg.max_attempts,
-                max_request_bytes=cfg.max_request_bytes,
-            ),
-            {"jobs": len(job_ids)},
-        )
+        joined = self._persist(lambda: self._claims(job_ids), {"jobs": len(job_ids)})
+        # Other threads' claims may have gone in the same statement: these jobs' are ours.
+        ours = {c.job_id: c for c in joined}
+        claims = [ours[j] for j in job_ids if j in ours]
         claimed = time.monotonic()
         quiet = len(job_ids) > 1
         if len(claims) < len(job_ids):
@@ -631,7 +629,7 @@ class JobRunner:
         results = [r.result for r in runs if r.result is not None]
         ctx = {"jobs": len(results)}
         try:
-            accepted = self._persist(lambda: self._store.finish_many(results), ctx)
+            accepted = self._persist(lambda: self._finishes(results), ctx)
         except SQLAlchemyError:
             # One row Postgres would not take must not sink the chunk: write them one by
             # one, and a row that still fails records that its result could not be stored.
@@ -667,6 +665,16 @@ class JobRunner:
                 if self._config.observe is not None:
                     self._config.observe(figures(run, result))
         return statuses
+
+    def _claim_many(self, job_ids: list[str]) -> list[Claim]:
+        cfg = self._config
+        return self._store.claim_many(
+            job_ids,
+            cfg.worker_name,
+            cfg.lease_seconds,
+            cfg.max_attempts,
+            max_request_bytes=cfg.max_request_bytes,
+        )
 
     def _save_alone(self, run: Run) -> set[str]:
         result = run.result

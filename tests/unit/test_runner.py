@@ -4,6 +4,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -276,6 +277,46 @@ class CountingEngine(InstantEngine):
                 yield update
         finally:
             self.now -= 1
+
+
+class SlowWrites(FakeStore):
+    """Records the job ids of each claim and each result write, each taking 0.1 s as one
+    waiting on Postgres would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.claims: list[list[str]] = []
+        self.writes: list[list[str]] = []
+
+    def claim_many(self, job_ids, *args, **kwargs):  # type: ignore[no-untyped-def]
+        self.claims.append(list(job_ids))
+        time.sleep(0.1)
+        return super().claim_many(job_ids, *args, **kwargs)
+
+    def finish_many(self, results):  # type: ignore[no-untyped-def]
+        self.writes.append([r.job_id for r in results])
+        time.sleep(0.1)
+        return super().finish_many(results)
+
+
+def test_jobs_run_at_once_are_claimed_and_stored_together_each_once(loop: LoopThread) -> None:
+    """16 task threads at once: their claims and result writes go as a few statements, not
+    16 each; a second delivery of a job made at the same moment is never in its claim's
+    statement, and one of the two runs it."""
+    store = SlowWrites()
+    ids = [f"job_{i}" for i in range(16)]
+    for job_id in ids:
+        store.add(job_id, body(max_tokens=2))
+    runner = make_runner(loop, InstantEngine(), store, FakeStreams())
+    with ThreadPoolExecutor(20) as pool:
+        statuses = list(pool.map(runner.run, ids + ids[:4]))
+    assert statuses[4:16] == ["succeeded"] * 12
+    for first, again in zip(statuses[:4], statuses[16:], strict=True):
+        assert sorted([first, again], key=str) == [None, "succeeded"]
+    assert all(store.jobs[j]["status"] == "succeeded" and store.jobs[j]["epoch"] == 1 for j in ids)
+    assert len(store.claims) <= 6 and len(store.writes) <= 6, (store.claims, store.writes)
+    assert all(len(set(claim)) == len(claim) for claim in store.claims)
+    assert sorted(j for write in store.writes for j in write) == sorted(ids)
 
 
 def test_jobs_in_the_engine_never_exceed_the_workers_capacity(loop: LoopThread) -> None:
