@@ -37,62 +37,70 @@ class Gather(Generic[T, R]):
 
     Two callers whose items share a `key` (the same job) never go in one call: each answer
     must say what happened to each caller's items alone. A call's error is raised in every
-    caller of that call; each caller then decides on its own (retry, write alone)."""
+    caller of that call (the same exception object, so its type decides each caller's
+    retry or fallback); each caller then decides on its own."""
 
     def __init__(self, run: Callable[[list[T]], R], key: Callable[[T], Hashable], limit: int = LIMIT) -> None:
         self._run = run
         self._key = key
         self._limit = limit
         self._waiting: list[_Call[T, R]] = []
-        self._lock = threading.Lock()  # guards _waiting
-        self._turn = threading.Lock()  # one joined call at a time
+        self._running = False  # a joined call is under way
+        self._changed = threading.Condition()  # guards the two above; told when a call ends
 
     def __call__(self, items: list[T]) -> R:
         call: _Call[T, R] = _Call(items)
-        with self._lock:
+        with self._changed:
             self._waiting.append(call)
-        with self._turn:
-            # Another caller's turn may have taken this call along; else this caller runs
-            # what waits (its own call among it) until its own is done.
             while not call.done:
-                self._run_group(self._take())
+                if self._running:
+                    # Its callers are told as soon as a joined call ends: one that took this
+                    # call along returns at once, not after the next statement.
+                    self._changed.wait()
+                    continue
+                group = self._take()
+                self._running = True
+                answer: R | None = None
+                error: BaseException | None = RuntimeError("the joined call was interrupted")
+                self._changed.release()
+                try:
+                    answer, error = self._run_group(group)
+                finally:
+                    self._changed.acquire()
+                    for member in group:
+                        member.answer, member.error, member.done = answer, error, True
+                    self._running = False
+                    self._changed.notify_all()
         if call.error is not None:
             raise call.error
         return call.answer  # type: ignore[return-value]
 
     def _take(self) -> list[_Call[T, R]]:
-        """The calls that wait, oldest first, up to `limit` items (always one call) and never
-        two holding the same key; the rest wait for the next turn."""
+        """The waiting calls to join now (the caller holds the lock): from the oldest on, up to
+        `limit` items (the oldest call always, whatever its size), skipping a call that holds
+        a key already taken; the rest wait for the next call."""
         group: list[_Call[T, R]] = []
         keys: set[Hashable] = set()
         size = 0
-        with self._lock:
-            left: list[_Call[T, R]] = []
-            for call in self._waiting:
-                mine = {self._key(item) for item in call.items}
-                fits = not group or (size + len(call.items) <= self._limit and not keys & mine)
-                if fits and len(mine) == len(call.items):
-                    group.append(call)
-                    keys |= mine
-                    size += len(call.items)
-                elif not group:
-                    group.append(call)  # a call that repeats its own key goes alone
-                    break
-                else:
-                    left.append(call)
-            self._waiting = left + self._waiting[len(group) + len(left) :]
+        left: list[_Call[T, R]] = []
+        for call in self._waiting:
+            mine = {self._key(item) for item in call.items}
+            fits = not group or (size + len(call.items) <= self._limit and not keys & mine)
+            if fits and len(mine) == len(call.items):
+                group.append(call)
+                keys |= mine
+                size += len(call.items)
+            elif not group:
+                group.append(call)  # a call that repeats its own key goes alone
+                break
+            else:
+                left.append(call)
+        self._waiting = left + self._waiting[len(group) + len(left) :]
         return group
 
-    def _run_group(self, group: list[_Call[T, R]]) -> None:
-        """Run `group`'s items as one call; its answer or error goes to each of its callers
-        (raised by each in its own thread, this one's too if its call was in it)."""
+    def _run_group(self, group: list[_Call[T, R]]) -> tuple[R | None, BaseException | None]:
+        """`group`'s items as one call: (its answer, None) or (None, what it raised)."""
         try:
-            answer = self._run([item for call in group for item in call.items])
+            return self._run([item for call in group for item in call.items]), None
         except BaseException as exc:  # noqa: BLE001 - handed to every caller, raised there
-            for call in group:
-                call.error = exc
-                call.done = True
-            return
-        for call in group:
-            call.answer = answer
-            call.done = True
+            return None, exc
