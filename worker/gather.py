@@ -60,17 +60,17 @@ class Gather(Generic[T, R]):
                     continue
                 group = self._take()
                 self._running = True
-                answer: R | None = None
-                error: BaseException | None = RuntimeError("the joined call was interrupted")
                 self._changed.release()
                 try:
-                    answer, error = self._run_group(group)
+                    answer, error = self._run([item for member in group for item in member.items]), None
+                except BaseException as exc:  # noqa: BLE001 - handed to every caller, raised there
+                    answer, error = None, exc
                 finally:
                     self._changed.acquire()
-                    for member in group:
-                        member.answer, member.error, member.done = answer, error, True
-                    self._running = False
-                    self._changed.notify_all()
+                for member in group:
+                    member.answer, member.error, member.done = answer, error, True
+                self._running = False
+                self._changed.notify_all()
         if call.error is not None:
             raise call.error
         return call.answer  # type: ignore[return-value]
@@ -85,22 +85,11 @@ class Gather(Generic[T, R]):
         left: list[_Call[T, R]] = []
         for call in self._waiting:
             mine = {self._key(item) for item in call.items}
-            fits = not group or (size + len(call.items) <= self._limit and not keys & mine)
-            if fits and len(mine) == len(call.items):
+            if not group or (size + len(call.items) <= self._limit and not keys & mine):
                 group.append(call)
                 keys |= mine
                 size += len(call.items)
-            elif not group:
-                group.append(call)  # a call that repeats its own key goes alone
-                break
             else:
                 left.append(call)
-        self._waiting = left + self._waiting[len(group) + len(left) :]
+        self._waiting = left
         return group
-
-    def _run_group(self, group: list[_Call[T, R]]) -> tuple[R | None, BaseException | None]:
-        """`group`'s items as one call: (its answer, None) or (None, what it raised)."""
-        try:
-            return self._run([item for call in group for item in call.items]), None
-        except BaseException as exc:  # noqa: BLE001 - handed to every caller, raised there
-            return None, exc

@@ -4,13 +4,12 @@ once; two calls for the same key never share one; an error reaches every caller 
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 
 import pytest
 
+from tests.unit.test_runner import wait_until
 from worker.gather import Gather
 
 
@@ -29,13 +28,6 @@ class Recorded:
         if self._fail_on in items:
             raise RuntimeError(f"refused {self._fail_on}")
         return {i.upper() for i in items}
-
-
-def wait_until(condition: Callable[[], object]) -> None:
-    deadline = time.monotonic() + 5
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.002)
 
 
 def queued(gather: Gather[str, set[str]], n: int) -> bool:

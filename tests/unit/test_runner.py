@@ -279,14 +279,13 @@ class CountingEngine(InstantEngine):
             self.now -= 1
 
 
-class SlowWrites(FakeStore):
-    """Records the job ids of each claim and each result write. The first claim waits until
-    `go` is set; each write takes 0.1 s, as one waiting on Postgres would."""
+class SlowWrites(WritesRecorded):
+    """Also records the job ids of each claim. The first claim waits until `go` is set; each
+    write takes 0.1 s, as one waiting on Postgres would."""
 
     def __init__(self) -> None:
         super().__init__()
         self.claims: list[list[str]] = []
-        self.writes: list[list[str]] = []
         self.go = threading.Event()
 
     def claim_many(self, job_ids, *args, **kwargs):  # type: ignore[no-untyped-def]
@@ -295,7 +294,6 @@ class SlowWrites(FakeStore):
         return super().claim_many(job_ids, *args, **kwargs)
 
     def finish_many(self, results):  # type: ignore[no-untyped-def]
-        self.writes.append([r.job_id for r in results])
         time.sleep(0.1)
         return super().finish_many(results)
 
