@@ -51,9 +51,10 @@ def held(api: ApiProcess) -> dict[int, int]:
     }
 
 
-def both_serving(api: ApiProcess) -> None:
+def both_serving(api: ApiProcess, stores: Stores) -> None:
     """Wait until each worker has loaded the app and accepts (the API answers /healthz as
-    soon as one does): connections are opened until both hold one, then closed."""
+    soon as one does): connections are opened until both hold one, then closed. And until
+    each has started (`pool_opened`)."""
     socks = [served(api)]
     deadline = time.monotonic() + 60
     while min(spread(api, len(socks))) == 0:
@@ -62,6 +63,23 @@ def both_serving(api: ApiProcess) -> None:
         socks.append(served(api))
     close(socks)
     spread(api, 0)
+    for worker in workers(api):
+        pool_opened(worker, stores)
+
+
+def pool_opened(worker: psutil.Process, stores: Stores) -> None:
+    """Wait until `worker` has opened its pool of Postgres connections, the last of its
+    start: until then it has busy moments in which its sibling, after its short wait, takes
+    what comes."""
+    port = urlsplit(stores.database_url).port
+    deadline = time.monotonic() + 30
+    while True:
+        connections = worker.net_connections("tcp")
+        opened = sum(1 for c in connections if c.raddr and c.raddr.port == port and c.status == ESTABLISHED)
+        if opened >= POOL:
+            return
+        assert time.monotonic() < deadline, f"worker {worker.pid} did not open its pool"
+        time.sleep(0.1)
 
 
 def served(api: ApiProcess) -> socket.socket:
@@ -118,14 +136,6 @@ class Kept:
                     answered(sock)
 
 
-def database_connections(process: psutil.Process, port: int) -> int:
-    return sum(
-        1
-        for c in process.net_connections("tcp")
-        if c.raddr and c.raddr.port == port and c.status == ESTABLISHED
-    )
-
-
 def spread(api: ApiProcess, expected: int) -> list[int]:
     """The connections each worker holds, once the API's workers hold all `expected`."""
     deadline = time.monotonic() + 10
@@ -141,8 +151,8 @@ def close(socks: list[socket.socket]) -> None:
         sock.close()
 
 
-def test_connections_opened_one_by_one_or_at_once_are_spread_evenly(api: ApiProcess) -> None:
-    both_serving(api)
+def test_connections_opened_one_by_one_or_at_once_are_spread_evenly(api: ApiProcess, stores: Stores) -> None:
+    both_serving(api, stores)
     one_by_one = [served(api) for _ in range(16)]
     counts = spread(api, 16)
     assert len(counts) == 2 and counts[1] - counts[0] <= 2, counts
@@ -161,7 +171,7 @@ def test_a_killed_workers_place_goes_to_its_replacement(api: ApiProcess, stores:
     on the board, the survivor leaves each new connection to it until both hold six. Off the
     board, the survivor would take new connections as often as it wins the race for them
     (about half; on some machines most), and the replacement would end with three or four."""
-    both_serving(api)
+    both_serving(api, stores)
     socks = [served(api) for _ in range(8)]
     victim, survivor = sorted(workers(api), key=lambda w: held(api).get(w.pid, 0), reverse=True)
     os.kill(victim.pid, signal.SIGKILL)
@@ -190,13 +200,7 @@ def test_a_killed_workers_place_goes_to_its_replacement(api: ApiProcess, stores:
             assert time.monotonic() < deadline, f"the replacement took no connection: {held(api)}"
             time.sleep(0.2)
         (replacement,) = (w for w in workers(api) if w.pid != survivor.pid)
-        # Its start ends with its pool of Postgres connections opened (a few busy moments
-        # in which the survivor, after its short wait, takes what comes).
-        deadline = time.monotonic() + 30
-        port = urlsplit(stores.database_url).port
-        while database_connections(replacement, port) < POOL:
-            assert time.monotonic() < deadline, "the replacement did not open its pool"
-            time.sleep(0.1)
+        pool_opened(replacement, stores)
         for _ in range(5):
             kept.add(served(api))
         counts = held(api)
