@@ -10,7 +10,8 @@ survived: under a batch, every second or so.
 does the same once it is up (vllm/utils/gc_utils.py, `freeze_gc_heap`).
 
 An API process loads its tokenizers later, on a thread of their own
-(app/services/tokenizers.py): transformers' import brings torch along, about 200,000 more
+(app/services/tokenizers.py): transformers' import brought torch along (before gunicorn's
+`post_fork` kept torch out of API processes: app/gunicorn_conf.py), about 200,000 more
 objects, and a full collection in that process took 160 ms on a quiet machine and 130-340
 ms in a running stack, a pause for every request the process holds. So it freezes its heap
 again once a tokenizer has loaded (a full collection then: under 0.1 ms). A frozen object
@@ -20,7 +21,7 @@ collection before it frees what the load pushed out.
 
 The interpreter's last collections at exit skip frozen objects too, so what froze and
 became garbage in a cycle is never finalized, and native extensions that count their
-objects say so on stderr as the process ends (triton's nanobind, which torch brings into
+objects say so on stderr as the process ends (triton's nanobind, which torch brought into
 the API with its tokenizers: "nanobind: leaked 4 instances!", a line that is not JSON in
 the API's log). A process that freezes also unfreezes as it exits.
 

@@ -99,7 +99,7 @@ def warm_tokenizers(services: Services) -> None:
     counters = services.tokenizers
     if counters is None:
         return
-    # A load brings transformers and torch along: frozen, so collections skip them.
+    # A load brings transformers along: frozen, so collections skip it.
     counters.after_load = refreeze_heap
     threading.Thread(
         target=lambda: counters.warm(services.models.all().values()),
