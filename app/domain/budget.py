@@ -3,7 +3,8 @@ API (with its own token count, before queuing) and the worker (with the rendered
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 from pydantic_core import to_json
 
@@ -51,16 +52,27 @@ def estimate_prompt_tokens(req: JobRequest) -> int:
         if isinstance(prompt, list):
             return len(prompt)
         return -(-len(prompt.encode("utf-8")) // BYTES_PER_TOKEN)
-    parts: list[Any] = list(req.messages)
-    if req.tools:
-        parts.append(req.tools)
+    return estimate_chat_tokens(req.messages, req.tools)
+
+
+def estimate_chat_tokens(messages: Sequence[Any], tools: Any) -> int:
+    """`estimate_prompt_tokens` of a chat request's messages (models) and tools (or None)."""
+    parts: list[Any] = list(messages)
+    if tools:
+        parts.append(tools)
     # Compact JSON straight from the models, in pydantic-core: every line of an upload pays
     # this, and dumping to dicts and then `json.dumps` cost 20 µs a line against 3.
     size = len(to_json(parts, exclude_none=True))
     return -(-size // BYTES_PER_TOKEN)
 
 
-def line_tokens(req: JobRequest, prompt_tokens: int, max_model_len: int | None, fallback: int) -> int:
+class Limited(Protocol):
+    """What `line_tokens` reads of a request (a chat or text completion, a plain batch line's body)."""
+
+    def completion_limit(self) -> int | None: ...
+
+
+def line_tokens(req: Limited, prompt_tokens: int, max_model_len: int | None, fallback: int) -> int:
     """A batch line's figure against its tenant's batch token budget: its prompt tokens
     plus the completion tokens it may generate: what it asked for (`max_completion_tokens`
     or `max_tokens`), else the rest of the context when the context length is known, else

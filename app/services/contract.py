@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from app.domain.budget import completion_budget, estimate_prompt_tokens, line_tokens
+from app.domain.budget import completion_budget, estimate_chat_tokens, estimate_prompt_tokens, line_tokens
 from app.domain.metadata import check_metadata
 from app.domain.structured import Constraint, ConstraintLimits, check_limits, constraint_of
 from app.domain.tools import ToolPlan, plan_tools
 from app.errors import InvalidRequest, LlmqError, NotFound, Unsupported
 from app.schemas.chat import ChatCompletionV2Request, ImagePart, TextPart
+from app.schemas.plain_line import PlainChatBody
 from app.services.addresses import Resolver, system_resolver, url_refusal
 from app.services.models import PromptCounter, ServedModel
 from app.settings import Settings
@@ -247,7 +248,7 @@ class RequestPolicy:
         self._check_sampling(req, model.vocab_size)
         self._check_template(req)
         self._check_output(req)
-        self._check_bounds(req)
+        check_bounds(req, self._settings)
         self._check_messages(req)
         if count_tokens:
             self._check_prompt_length(req, model)
@@ -329,23 +330,6 @@ class RequestPolicy:
         plan = plan_tools(req, auto_parser=self._settings.tool_call_parser)
         check_output(req, plan, self._settings, self._limits, self._constraints)
 
-    def _check_bounds(self, req: ChatCompletionV2Request) -> None:
-        s = self._settings
-        if req.n is not None and req.n > s.max_n:
-            raise InvalidRequest(f"`n` is {req.n}; the limit is {s.max_n}", param="n")
-        limit = req.completion_limit()
-        if limit is not None and limit > s.max_tokens_limit:
-            field = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
-            raise InvalidRequest(f"`{field}` is {limit}; the limit is {s.max_tokens_limit}", param=field)
-        if len(req.messages) > s.max_messages:
-            raise InvalidRequest(
-                f"{len(req.messages)} messages; the limit is {s.max_messages}", param="messages"
-            )
-        if isinstance(req.stop, list) and len(req.stop) > s.max_stop_sequences:
-            raise InvalidRequest(
-                f"`stop` has {len(req.stop)} sequences; the limit is {s.max_stop_sequences}", param="stop"
-            )
-
     def _check_messages(self, req: ChatCompletionV2Request) -> None:
         for i, msg in enumerate(req.messages):
             content = getattr(msg, "content", None)
@@ -384,6 +368,21 @@ class RequestPolicy:
         context = model.max_model_len if model is not None else None
         return line_tokens(req, prompt, context, self._settings.max_tokens_limit)
 
+    def plain_line_tokens(self, body: PlainChatBody, memo: CounterMemo) -> int | None:
+        """A plain line's figure against the batch token budget, estimated, when `check`
+        would pass it (`count_tokens` off): its model is served and it is within the
+        bounds; the plain shape sets none of the fields the other checks read
+        (app/schemas/plain_line.py). None: the full check decides, and names what is wrong."""
+        model, _ = model_and_counter(self._models, body.model, memo)
+        if model is None:
+            return None
+        try:
+            check_bounds(body, self._settings)
+        except LlmqError:
+            return None
+        prompt = estimate_chat_tokens(body.messages, None)
+        return line_tokens(body, prompt, model.max_model_len, self._settings.max_tokens_limit)
+
     def _check_prompt_length(self, req: ChatCompletionV2Request, model: ServedModel) -> None:
         """Where the model's context length is known and its tokenizer is reachable from here;
         otherwise the worker, which renders every prompt, applies the same rule."""
@@ -392,6 +391,42 @@ class RequestPolicy:
         count = self._models.prompt_counter(model)
         if count is not None:
             completion_budget(req, count(req), model.max_model_len)
+
+
+class Bounded(Protocol):
+    """The fields `check_bounds` reads (a full chat request, or a plain batch line's body)."""
+
+    @property
+    def n(self) -> int | None: ...
+
+    @property
+    def max_completion_tokens(self) -> int | None: ...
+
+    @property
+    def messages(self) -> Sequence[object]: ...
+
+    @property
+    def stop(self) -> str | list[str] | None: ...
+
+    def completion_limit(self) -> int | None: ...
+
+
+def check_bounds(req: Bounded, settings: Settings) -> None:
+    """Raises InvalidRequest naming the field over a deployment bound (`n`, the completion
+    tokens asked for, messages, stop sequences)."""
+    s = settings
+    if req.n is not None and req.n > s.max_n:
+        raise InvalidRequest(f"`n` is {req.n}; the limit is {s.max_n}", param="n")
+    limit = req.completion_limit()
+    if limit is not None and limit > s.max_tokens_limit:
+        field = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+        raise InvalidRequest(f"`{field}` is {limit}; the limit is {s.max_tokens_limit}", param=field)
+    if len(req.messages) > s.max_messages:
+        raise InvalidRequest(f"{len(req.messages)} messages; the limit is {s.max_messages}", param="messages")
+    if isinstance(req.stop, list) and len(req.stop) > s.max_stop_sequences:
+        raise InvalidRequest(
+            f"`stop` has {len(req.stop)} sequences; the limit is {s.max_stop_sequences}", param="stop"
+        )
 
 
 def check_output(
